@@ -1,0 +1,112 @@
+"""Run vendor-library calls under a deadline, one lane per device.
+
+NVML and amdsmi calls can block forever in the kernel (a GPU stuck after XID 119, a driver in
+D state). Python cannot cancel such a call, so the caller must not wait on it: each device gets
+its own worker thread ("lane"). A call that overruns its deadline is reported as hung and the
+lane stays busy; until the stuck call returns, further calls on that lane fail fast instead of
+piling up threads. Other devices keep their own lanes and are unaffected.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+
+class CallHung(Exception):
+    """A call did not return before its deadline (or an earlier one on the lane is still stuck)."""
+
+    def __init__(self, lane: str, since: float, message: str = "") -> None:
+        self.lane = lane
+        self.since = since
+        super().__init__(message or f"call on {lane} has not returned for {time.monotonic() - since:.1f}s")
+
+
+class _Lane:
+    """One daemon worker thread. Daemon, because a thread stuck in the kernel must never keep
+    the process from exiting (ThreadPoolExecutor joins its workers at exit)."""
+
+    __slots__ = ("jobs", "pending", "started", "thread")
+
+    def __init__(self, name: str) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.pending: Future | None = None
+        self.started = 0.0
+        self.thread = threading.Thread(target=self._run, name=f"lane-{name}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            fut, fn = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller unchanged
+                fut.set_exception(exc)
+
+    def submit(self, fn: Callable[[], T]) -> Future:
+        fut: Future = Future()
+        self.jobs.put((fut, fn))
+        return fut
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+
+class DeadlineRunner:
+    def __init__(self) -> None:
+        self._lanes: dict[str, _Lane] = {}
+        self._lock = threading.Lock()
+
+    def call(self, lane: str, fn: Callable[[], T], timeout: float) -> T:
+        """Run ``fn`` on ``lane``'s worker and wait at most ``timeout`` seconds.
+
+        Raises CallHung when the deadline passes or when the lane is still stuck in an earlier
+        call. Exceptions raised by ``fn`` propagate unchanged.
+        """
+        with self._lock:
+            ln = self._lanes.get(lane)
+            if ln is None:
+                ln = self._lanes[lane] = _Lane(lane)
+            if ln.pending is not None and not ln.pending.done():
+                raise CallHung(lane, ln.started)
+            ln.started = time.monotonic()
+            fut = ln.submit(fn)
+            ln.pending = fut
+        try:
+            return fut.result(timeout=timeout)
+        except FutureTimeout:
+            raise CallHung(lane, ln.started, f"call on {lane} exceeded its {timeout:.3g}s deadline") from None
+
+    def hung_lanes(self) -> dict[str, float]:
+        """Lanes whose last call is still running: lane -> seconds stuck."""
+        now = time.monotonic()
+        with self._lock:
+            return {
+                name: now - ln.started
+                for name, ln in self._lanes.items()
+                if ln.pending is not None and not ln.pending.done()
+            }
+
+    def retire(self, lane: str) -> None:
+        """Forget a lane whose device is gone. A stuck worker is abandoned, not joined."""
+        with self._lock:
+            ln = self._lanes.pop(lane, None)
+        if ln is not None:
+            ln.stop()
+
+    def close(self) -> None:
+        with self._lock:
+            lanes, self._lanes = list(self._lanes.values()), {}
+        for ln in lanes:
+            ln.stop()
