@@ -98,7 +98,16 @@ class DeviceIdentity:
 
     @property
     def is_partition(self) -> bool:
-        return bool(self.parent_uuid)
+        """A MIG instance or an AMD partition other than the GPU's first one.
+
+        AMD partitions all name the first partition as parent, the first one included, so
+        "has a parent" alone would hide the physical GPU itself.
+        """
+        return bool(self.parent_uuid) and self.parent_uuid != self.uuid
+
+    @property
+    def physical_uuid(self) -> str:
+        return self.parent_uuid or self.uuid
 
 
 @dataclass

@@ -64,3 +64,8 @@ class PodInfo:
     name: str
     uid: str
     node_name: str = ""
+    labels: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
+    phase: str = ""  # status.phase (Pending, Running, Succeeded, Failed, Unknown)
+    # names of the ResourceClaims (in the pod's namespace) the pod holds: spec references,
+    # generated template claims from status.resourceClaimStatuses, the extended-resource claim
+    claims: tuple[str, ...] = ()

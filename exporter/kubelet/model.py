@@ -42,3 +42,7 @@ class PodResourcesSnapshot:
 
     allocations: tuple[ContainerAllocation, ...]
     pods: tuple[tuple[str, str], ...]  # (namespace, pod) of every pod the kubelet listed
+    # Allocation entries that identify no device and were left out: DRA claim resources
+    # without driver/pool/device (kubelets 1.27-1.30 send only CDI names) and empty
+    # device-plugin ids. Reported so the gap is visible instead of silently shrinking.
+    skipped_entries: int = 0

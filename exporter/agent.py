@@ -1,0 +1,314 @@
+"""The node agent: sources -> one joined model -> outputs, once per interval.
+
+Each source is a *collector* with its own duration and success self-metrics (as in
+node_exporter). A failing collector is logged and reported; the others carry on, and the last
+good data of a failing source is kept for a grace period so a kubelet restart or an API blip
+does not blank the dashboards.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import structlog
+
+from .config import Config
+from .devices.base import DeviceBackend
+from .devices.deadline import CallHung, DeadlineRunner
+from .devices.model import DeviceIdentity, DeviceReading, ReadError
+from .health.engine import HealthEngine, HealthPolicy
+from .k8s.model import ClaimInfo, PodInfo
+from .kubelet.model import AllocationSource, PodResourcesSnapshot
+from .metrics.render import Renderer, RenderState
+from .metrics.server import MetricsServer
+from .model.join import JoinInputs, join
+from .model.snapshot import Snapshot
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class CollectorStatus:
+    duration: float = 0.0
+    success: bool = False
+    error: str = ""
+    last_success: float | None = None  # monotonic
+
+
+@dataclass
+class Sources:
+    """The optional I/O edges. Any of them may be None (no kubelet, no API server)."""
+
+    backend: DeviceBackend
+    kubelet: Any = None  # exporter.kubelet.client.PodResourcesClient
+    slices: Any = None  # exporter.k8s.slices.SliceWatcher
+    claims: Any = None  # exporter.k8s.claims.ClaimCache
+    pods: Any = None  # exporter.k8s.pods.NodePods
+    remediation: Any = None  # exporter.remediation.engine.Remediator
+    processes: Callable[[Snapshot], dict] | None = None  # per-process attribution
+
+
+class Agent:
+    KUBELET_GRACE = 300.0  # seconds to keep the last allocations while the kubelet is unreachable
+
+    def __init__(self, cfg: Config, sources: Sources, clock: Callable[[], float] = time.time, health_policy: HealthPolicy | None = None) -> None:
+        self.cfg = cfg
+        self.src = sources
+        self.clock = clock
+        self.health = HealthEngine(clock, health_policy)
+        self.runner = DeadlineRunner()
+        self.renderer = Renderer()
+        self.server: MetricsServer | None = None
+        self.status: dict[str, CollectorStatus] = {}
+        self.snapshot: Snapshot | None = None
+        self.cycles = 0
+        self._identities: list[DeviceIdentity] = []
+        self._readings: dict[str, DeviceReading] = {}
+        self._pods_snapshot: PodResourcesSnapshot | None = None
+        self._pods_at: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._cycle_lock = threading.Lock()
+        self._started = time.monotonic()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self, serve: bool = True) -> None:
+        self.src.backend.open()
+        self.src.backend.start_events(self.health.on_event)
+        if self.src.slices is not None:
+            self.src.slices.start()
+        if self.src.remediation is not None:
+            self.src.remediation.start()
+        if serve:
+            self.server = MetricsServer(self.cfg.listen_host, self.cfg.listen_port, self.readiness)
+            self.server.start()
+        self.run_cycle()
+        self._thread = threading.Thread(target=self._loop, name="sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.cfg.interval + self.cfg.call_timeout + 2)
+        for part in (self.src.remediation, self.src.slices):
+            if part is not None:
+                try:
+                    part.stop()
+                except Exception:
+                    log.exception("stop_failed", part=type(part).__name__)
+        if self.server is not None:
+            self.server.stop()
+        self.src.backend.close()
+        if self.src.kubelet is not None:
+            self.src.kubelet.close()
+        self.runner.close()
+
+    def _loop(self) -> None:
+        # Fixed-rate schedule: a slow cycle delays the next one, it does not shift them all.
+        next_at = time.monotonic() + self.cfg.interval
+        while not self._stop.wait(max(0.0, next_at - time.monotonic())):
+            try:
+                self.run_cycle()
+            except Exception:
+                log.exception("cycle_failed")
+            next_at += self.cfg.interval
+            if next_at < time.monotonic():
+                next_at = time.monotonic() + self.cfg.interval
+
+    # -- one cycle ---------------------------------------------------------------------------
+    def _collect(self, name: str, fn: Callable[[], Any]) -> Any:
+        st = self.status.setdefault(name, CollectorStatus())
+        t0 = time.perf_counter()
+        try:
+            result = fn()
+        except Degraded as e:
+            # The source answered with data it knows to be incomplete or old: use it, report it.
+            st.duration = time.perf_counter() - t0
+            if st.success or st.error != str(e):
+                log.warning("collector_degraded", collector=name, error=str(e))
+            st.success, st.error = False, str(e)
+            return e.result
+        except Exception as e:
+            st.duration = time.perf_counter() - t0
+            if st.success or st.error != str(e):
+                log.warning("collector_failed", collector=name, error=str(e))
+            st.success, st.error = False, str(e)
+            return None
+        st.duration = time.perf_counter() - t0
+        if not st.success and st.error:
+            log.info("collector_recovered", collector=name)
+        st.success, st.error, st.last_success = True, "", time.monotonic()
+        return result
+
+    def _read_devices(self) -> dict[str, DeviceReading]:
+        backend = self.src.backend
+        idents = self.runner.call("enumerate", backend.enumerate, self.cfg.call_timeout)
+        if [i.uuid for i in idents] != [i.uuid for i in self._identities]:
+            gone = {i.uuid for i in self._identities} - {i.uuid for i in idents}
+            for u in gone:
+                self.runner.retire(u)
+            log.info("devices_enumerated", count=len(idents), gone=sorted(gone))
+            self._identities = idents
+            self.health.set_topology(idents)
+        readings: dict[str, DeviceReading] = {}
+        # Devices are read one after another, each on its own lane: a hung device costs one
+        # deadline per cycle, and only until its lane is known to be stuck (then it fails fast).
+        for ident in idents:
+            try:
+                readings[ident.uuid] = self.runner.call(ident.uuid, lambda i=ident: backend.read(i), self.cfg.call_timeout)
+            except CallHung as e:
+                readings[ident.uuid] = DeviceReading.failed(ident.uuid, ReadError.TIMEOUT, str(e))
+            except Exception as e:  # a backend bug on one device must not cost the others
+                log.exception("device_read_failed", uuid=ident.uuid)
+                readings[ident.uuid] = DeviceReading.failed(ident.uuid, ReadError.ERROR, str(e))
+        for ident in idents:
+            r = readings[ident.uuid]
+            prev = self._readings.get(ident.uuid)
+            if not r.ok and (prev is None or prev.ok or prev.error != r.error):
+                log.warning("device_unreadable", uuid=ident.uuid, error=r.error.value if r.error else "", detail=r.error_detail)
+            elif r.ok and prev is not None and not prev.ok:
+                log.info("device_readable_again", uuid=ident.uuid)
+        return readings
+
+    def _list_kubelet(self) -> PodResourcesSnapshot:
+        snap = self.src.kubelet.list()
+        self._pods_snapshot, self._pods_at = snap, time.monotonic()
+        return snap
+
+    def run_cycle(self) -> Snapshot:
+        with self._cycle_lock:
+            return self._run_cycle()
+
+    def _run_cycle(self) -> Snapshot:
+        t0 = time.perf_counter()
+        readings = self._collect("devices", self._read_devices)
+        if readings is not None:
+            self._readings = readings
+        if self.src.kubelet is not None:
+            self._collect("kubelet", self._list_kubelet)
+            if self._pods_at is not None and time.monotonic() - self._pods_at > self.KUBELET_GRACE:
+                if self._pods_snapshot is not None:
+                    log.warning("kubelet_data_expired", grace_seconds=self.KUBELET_GRACE)
+                self._pods_snapshot = None
+        allocations = self._pods_snapshot.allocations if self._pods_snapshot else ()
+
+        slices = None
+        if self.src.slices is not None:
+            slices = self._collect("slices", self._slice_devices)
+        claims: dict[tuple[str, str], ClaimInfo] = {}
+        if self.src.claims is not None:
+            keys = sorted({(a.claim_namespace, a.claim_name) for a in allocations if a.source == AllocationSource.DRA and a.claim_name})
+            claims = self._collect("claims", lambda: self._claims(keys)) or {}
+        pods: list[PodInfo] = []
+        if self.src.pods is not None:
+            pods = self._collect("pods", self.src.pods.list) or []
+
+        self.health.observe(self._identities, self._readings)
+        health = self.health.all_health()
+        snap = join(
+            JoinInputs(
+                node=self.cfg.node_name,
+                timestamp=self.clock(),
+                identities=tuple(self._identities),
+                readings=self._readings,
+                health=health,
+                allocations=tuple(allocations),
+                slices=slices,
+                claims=claims,
+                pods=tuple(pods),
+                pod_labels={(p.namespace, p.name): getattr(p, "labels", {}) for p in pods},
+            )
+        )
+        self.snapshot = snap
+        if self.src.remediation is not None:
+            self.src.remediation.update(snap)
+            rem = self.src.remediation
+            self.status["remediation"] = CollectorStatus(
+                success=rem.ok or rem.last_error is None, error=rem.last_error or "", last_success=time.monotonic() if rem.ok else None
+            )
+        process_memory = {}
+        if self.src.processes is not None:
+            process_memory = self._collect("processes", lambda: self.src.processes(snap)) or {}
+        self.cycles += 1
+        self.status.setdefault("cycle", CollectorStatus())
+        self.status["cycle"] = CollectorStatus(duration=time.perf_counter() - t0, success=True, last_success=time.monotonic())
+        self.publish(process_memory)
+        return snap
+
+    def _claims(self, keys: list[tuple[str, str]]) -> dict[tuple[str, str], ClaimInfo]:
+        cache = self.src.claims
+        cache.refresh(keys)
+        cache.prune(keys)
+        out = {}
+        for ns, name in keys:
+            entry = cache.entry(ns, name)  # no I/O: refresh() fetched what was due
+            if entry is not None and entry.info is not None:
+                out[(ns, name)] = entry.info
+        if cache.last_error:
+            raise Degraded(f"ResourceClaims: {cache.last_error}", out)
+        return out
+
+    def _slice_devices(self) -> dict:
+        w = self.src.slices
+        if not w.synced:
+            raise RuntimeError(f"ResourceSlices not listed yet{': ' + w.last_error if w.last_error else ''}")
+        if w.last_error:
+            # Keep using the devices we have, but say the watch is unhealthy.
+            raise Degraded(f"ResourceSlice watch: {w.last_error}", w.devices())
+        return w.devices()
+
+    def publish(self, process_memory: dict | None = None) -> None:
+        """Render the current state and hand the bytes to the HTTP server."""
+        rem = self.src.remediation
+        state = RenderState(
+            snapshot=self.snapshot,
+            xid_counts=dict(self.health.xid_counts),
+            read_errors=dict(self.health.read_errors),
+            collectors={n: (s.duration, s.success) for n, s in self.status.items() if n != "cycle"},
+            last_collection=self.clock(),
+            cycles=self.cycles,
+            taint_rules=rem.rule_views() if rem is not None else (),
+            taint_actions=dict(rem.actions) if rem is not None else {},
+            taint_suppressed=dict(rem.suppressed) if rem is not None else {},
+            budget_exhausted=rem.budget_exhausted if rem is not None else None,
+            detection_latency=rem.latency if rem is not None else None,
+            process_memory=process_memory or {},
+            pod_label_allowlist=self.cfg.pod_label_allowlist,
+            dcgm_compat=self.cfg.dcgm_compat_labels,
+        )
+        exp = self.renderer.render(state)
+        if self.server is not None:
+            self.server.publish(exp)
+
+    # -- probes ------------------------------------------------------------------------------
+    def readiness(self) -> tuple[bool, str]:
+        """Ready while device data is fresh (younger than three intervals).
+
+        Kubernetes-side problems do not make the agent unready: device metrics are still worth
+        scraping. They are listed in the body so ``kubectl describe`` and curl show them.
+        """
+        limit = 3 * self.cfg.interval + self.cfg.call_timeout
+        dev = self.status.get("devices")
+        problems = [f"{n}: {s.error}" for n, s in sorted(self.status.items()) if not s.success and s.error and n != "devices"]
+        hung = self.runner.hung_lanes()
+        if hung:
+            problems.append("hung device calls: " + ", ".join(f"{k} ({v:.0f}s)" for k, v in sorted(hung.items())))
+        if dev is None or dev.last_success is None:
+            return False, "not ready: no successful device collection yet" + (f" ({dev.error})" if dev and dev.error else "")
+        age = time.monotonic() - dev.last_success
+        if age > limit:
+            return False, f"not ready: last successful device collection {age:.1f}s ago (limit {limit:.1f}s): {dev.error or 'sampler stalled'}"
+        if problems:
+            return True, "ready (degraded)\n" + "\n".join(problems)
+        return True, "ready"
+
+
+class Degraded(Exception):
+    """Raised by a collector that still has a usable (possibly stale) ``result``."""
+
+    def __init__(self, message: str, result: Any) -> None:
+        super().__init__(message)
+        self.result = result

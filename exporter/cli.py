@@ -1,0 +1,72 @@
+"""Entry point: ``dra-gpu-exporter [flags]`` runs the agent, ``dra-gpu-exporter demo`` the simulated node."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+import structlog
+
+from . import __version__
+from .config import Config, ConfigError, build_parser, resolve
+from .logs import configure
+
+log = structlog.get_logger("exporter")
+
+
+def _fail(msg: str, code: int = 2) -> int:
+    print(f"dra-gpu-exporter: error: {msg}", file=sys.stderr)
+    return code
+
+
+def stop_on_signals(done: threading.Event) -> None:
+    """Set ``done`` on SIGINT or SIGTERM (the kubelet stops pods with SIGTERM). Main thread only."""
+
+    def handler(signum: int, frame: object) -> None:
+        log.info("signal_received", signal=signal.Signals(signum).name)
+        done.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if getattr(ns, "list_scenarios", False):
+        from .sim.scenario import bundled_scenarios
+
+        for name, path in bundled_scenarios().items():
+            print(f"{name}\t{path}")
+        return 0
+    try:
+        cfg = resolve(ns)
+    except ConfigError as e:
+        return _fail(str(e))
+    configure(cfg.log_format, cfg.log_level)
+    if ns.command == "demo":
+        from .sim.demo import run_demo
+
+        return run_demo(cfg)
+    return run_agent(cfg)
+
+
+def run_agent(cfg: Config) -> int:
+    from .wiring import build_agent
+
+    log.info("starting", version=__version__, node=cfg.node_name, backend=cfg.backend, taint_mode=cfg.taint_mode.value)
+    try:
+        agent = build_agent(cfg)
+        agent.start()
+    except Exception as e:  # start-up problems are the user's to fix: say what, not where
+        log.error("start_failed", error=str(e))
+        return _fail(str(e), 1)
+    done = threading.Event()
+    stop_on_signals(done)
+    try:
+        done.wait()
+    finally:
+        agent.stop()
+        log.info("stopped")
+    return 0

@@ -1,0 +1,248 @@
+"""Command-line and environment configuration.
+
+Every flag can also be set as ``DRA_GPU_EXPORTER_<FLAG>`` (upper case, dashes as underscores);
+a flag on the command line wins over the environment. Bad values end the program with one
+clear line and exit code 2 (argparse's convention), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import os
+import re
+import socket
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import __version__
+
+ENV_PREFIX = "DRA_GPU_EXPORTER_"
+DEFAULT_KUBELET_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+DEFAULT_LISTEN = "0.0.0.0:9402"
+
+
+class TaintMode(str, enum.Enum):
+    OFF = "off"  # no remediation at all
+    DRY_RUN = "dry-run"  # decide, log and export, never write
+    SHADOW = "shadow"  # write rules with effect None (Kubernetes reports what would be evicted)
+    ENFORCE = "enforce"  # write rules with the tier's effect
+
+
+class ConfigError(ValueError):
+    """A configuration value is unusable. The message is shown to the user as is."""
+
+
+@dataclass(frozen=True)
+class Config:
+    listen_host: str = "0.0.0.0"
+    listen_port: int = 9402
+    node_name: str = ""
+    kubelet_socket: str = DEFAULT_KUBELET_SOCKET
+    kubeconfig: str | None = None
+    backend: str = "auto"
+    interval: float = 5.0
+    taint_mode: TaintMode = TaintMode.ENFORCE
+    log_format: str = "auto"
+    log_level: str = "info"
+    call_timeout: float = 2.0  # deadline for one device read (all its library calls)
+    # attribution and cardinality
+    per_process: bool = False  # needs hostPID; maps PIDs to pods through /proc/<pid>/cgroup
+    pod_label_allowlist: tuple[str, ...] = ()  # pod labels exported on dra_pod_labels
+    dcgm_compat_labels: bool = False  # add pod/namespace/container/dra_* labels to device series
+    # remediation safety
+    taint_rate_limit: int = 2  # new NoExecute rules per node per rate window
+    taint_rate_window: float = 600.0
+    taint_budget_fraction: float = 0.05  # cluster-wide share of GPUs under NoExecute
+    taint_budget_max: int = 16
+    taint_hold_seconds: float = 1800.0  # healthy time before a rule steps down
+    node_failure_fraction: float = 0.5  # this share of a node's GPUs failing at once = node fault
+    # demo only
+    scenario: str | None = None
+    time_scale: float = 1.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def listen(self) -> str:
+        return f"{self.listen_host}:{self.listen_port}"
+
+
+def _env(name: str) -> str | None:
+    return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"))
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    m = re.fullmatch(r"(?:\[(?P<v6>[0-9a-fA-F:]+)\]|(?P<host>[^:\s]*)):(?P<port>\d{1,5})", value.strip())
+    if not m:
+        raise ConfigError(f"--listen {value!r}: expected HOST:PORT, e.g. 0.0.0.0:9402 or [::]:9402")
+    host = m.group("v6") or m.group("host") or "0.0.0.0"
+    port = int(m.group("port"))
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--listen {value!r}: port must be 0..65535")
+    return host, port
+
+
+def parse_interval(value: str) -> float:
+    try:
+        v = float(value)
+    except ValueError:
+        raise ConfigError(f"--interval {value!r}: expected a number of seconds, e.g. 5 or 0.5") from None
+    if not (0.05 <= v <= 3600):
+        raise ConfigError(f"--interval {value!r}: must be between 0.05 and 3600 seconds")
+    return v
+
+
+def _positive_float(flag: str, value: str, lo: float, hi: float) -> float:
+    try:
+        v = float(value)
+    except ValueError:
+        raise ConfigError(f"{flag} {value!r}: expected a number") from None
+    if not (lo <= v <= hi):
+        raise ConfigError(f"{flag} {value!r}: must be between {lo:g} and {hi:g}")
+    return v
+
+
+def check_kubelet_socket(path: str) -> str | None:
+    """Return a problem description, or None when the socket looks usable.
+
+    A missing socket is not fatal at start (the kubelet may come up later, and the agent keeps
+    serving device metrics), but a path that exists and is not a socket is a mistake worth
+    stopping for.
+    """
+    p = Path(path)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        return "missing"
+    except PermissionError:
+        return f"--kubelet-socket {path}: permission denied"
+    if not stat.S_ISSOCK(st.st_mode):
+        return f"--kubelet-socket {path}: exists but is not a unix socket"
+    if not os.access(path, os.R_OK | os.W_OK):
+        return f"--kubelet-socket {path}: not readable/writable by this user (uid {os.getuid()})"
+    return None
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", metavar="HOST:PORT", help=f"address for /metrics, /healthz, /readyz (default {DEFAULT_LISTEN})")
+    p.add_argument("--interval", metavar="SECONDS", help="collection interval, float seconds (default 5)")
+    p.add_argument("--backend", choices=["auto", "nvml", "amdsmi", "sim"], help="device library (default auto)")
+    p.add_argument("--taint-mode", choices=[m.value for m in TaintMode], help="remediation mode (default enforce)")
+    p.add_argument("--log-format", choices=["auto", "json", "console"], help="auto: JSON unless stderr is a terminal")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--call-timeout", metavar="SECONDS", help="deadline for reading one device (default 2)")
+    p.add_argument("--per-process", action="store_const", const="true", help="per-process (per-pod) GPU memory; needs hostPID")
+    p.add_argument("--pod-label-allowlist", metavar="K1,K2", help="pod labels exported on dra_pod_labels")
+    p.add_argument("--dcgm-compat-labels", action="store_const", const="true", help="add dcgm-exporter's pod/namespace/container/dra_* labels to device series")
+    p.add_argument("--taint-rate-limit", metavar="N", help="new NoExecute rules per node per 10 minutes (default 2)")
+    p.add_argument("--taint-budget-fraction", metavar="F", help="cluster share of GPUs under NoExecute before suppression (default 0.05)")
+    p.add_argument("--taint-hold-seconds", metavar="S", help="healthy time before a rule steps down (default 1800)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dra-gpu-exporter",
+        description="GPU metrics attributed to DRA ResourceClaims, GPU health and DeviceTaintRule remediation. "
+        f"Every flag can be set as an environment variable {ENV_PREFIX}<FLAG>.",
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    _add_common(p)
+    p.add_argument("--node-name", help="this node's name (env NODE_NAME)")
+    p.add_argument("--kubelet-socket", metavar="PATH", help=f"PodResources socket (default {DEFAULT_KUBELET_SOCKET})")
+    p.add_argument("--kubeconfig", metavar="PATH", help="kubeconfig (default: in-cluster, then KUBECONFIG; none: no Kubernetes API features)")
+    sub = p.add_subparsers(dest="command")
+    d = sub.add_parser("demo", help="run the embedded simulated node (GPUs, kubelet, Kubernetes API)")
+    _add_common(d)
+    d.add_argument("--scenario", metavar="FILE", help="scenario file (YAML or JSON); default: the built-in mixed node")
+    d.add_argument("--time-scale", metavar="X", help="simulated seconds per real second (default 1)")
+    d.add_argument("--list-scenarios", action="store_true", help="list the bundled scenarios and exit")
+    return p
+
+
+_BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False, "": False}
+
+
+def _bool(flag: str, value: str) -> bool:
+    try:
+        return _BOOL[value.strip().lower()]
+    except KeyError:
+        raise ConfigError(f"{flag} {value!r}: expected true or false") from None
+
+
+def resolve(ns: argparse.Namespace) -> Config:
+    """Merge flags over environment over defaults, and validate."""
+
+    def pick(name: str) -> str | None:
+        v = getattr(ns, name.replace("-", "_"), None)
+        return v if v is not None else _env(name)
+
+    kw: dict = {}
+    if (v := pick("listen")) is not None:
+        kw["listen_host"], kw["listen_port"] = parse_listen(v)
+    if (v := pick("interval")) is not None:
+        kw["interval"] = parse_interval(v)
+    if (v := pick("backend")) is not None:
+        if v not in ("auto", "nvml", "amdsmi", "sim"):
+            raise ConfigError(f"--backend {v!r}: expected auto, nvml, amdsmi or sim")
+        kw["backend"] = v
+    if (v := pick("taint-mode")) is not None:
+        try:
+            kw["taint_mode"] = TaintMode(v)
+        except ValueError:
+            raise ConfigError(f"--taint-mode {v!r}: expected off, dry-run, shadow or enforce") from None
+    if (v := pick("log-format")) is not None:
+        if v not in ("auto", "json", "console"):
+            raise ConfigError(f"--log-format {v!r}: expected auto, json or console")
+        kw["log_format"] = v
+    if (v := pick("log-level")) is not None:
+        if v.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"--log-level {v!r}: expected debug, info, warning or error")
+        kw["log_level"] = v.lower()
+    if (v := pick("call-timeout")) is not None:
+        kw["call_timeout"] = _positive_float("--call-timeout", v, 0.01, 600)
+    if (v := pick("per-process")) is not None:
+        kw["per_process"] = _bool("--per-process", v)
+    if (v := pick("pod-label-allowlist")) is not None:
+        keys = tuple(k.strip() for k in v.split(",") if k.strip())
+        for k in keys:
+            if not re.fullmatch(r"([a-z0-9.-]+/)?[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?", k):
+                raise ConfigError(f"--pod-label-allowlist: {k!r} is not a valid label key")
+        kw["pod_label_allowlist"] = keys
+    if (v := pick("dcgm-compat-labels")) is not None:
+        kw["dcgm_compat_labels"] = _bool("--dcgm-compat-labels", v)
+    if (v := pick("taint-rate-limit")) is not None:
+        kw["taint_rate_limit"] = int(_positive_float("--taint-rate-limit", v, 0, 1000))
+    if (v := pick("taint-budget-fraction")) is not None:
+        kw["taint_budget_fraction"] = _positive_float("--taint-budget-fraction", v, 0, 1)
+    if (v := pick("taint-hold-seconds")) is not None:
+        kw["taint_hold_seconds"] = _positive_float("--taint-hold-seconds", v, 0, 7 * 86400)
+
+    demo = getattr(ns, "command", None) == "demo"
+    if demo:
+        if (v := pick("scenario")) is not None:
+            if not Path(v).is_file():
+                raise ConfigError(f"--scenario {v}: no such file")
+            kw["scenario"] = v
+        if (v := pick("time-scale")) is not None:
+            kw["time_scale"] = _positive_float("--time-scale", v, 0.01, 10000)
+        kw.setdefault("backend", "sim")
+        kw.setdefault("interval", 1.0)
+        if "listen_host" not in kw:
+            kw["listen_host"], kw["listen_port"] = "127.0.0.1", 9402
+        return Config(**kw)
+
+    node = pick("node-name") or os.environ.get("NODE_NAME") or ""
+    if node and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", node):
+        raise ConfigError(f"--node-name {node!r}: not a valid Kubernetes node name")
+    kw["node_name"] = node or socket.gethostname().lower()
+    if (v := pick("kubelet-socket")) is not None:
+        kw["kubelet_socket"] = v
+    problem = check_kubelet_socket(kw.get("kubelet_socket", DEFAULT_KUBELET_SOCKET))
+    if problem and problem != "missing":
+        raise ConfigError(problem)
+    if (v := pick("kubeconfig")) is not None:
+        if not Path(v).is_file():
+            raise ConfigError(f"--kubeconfig {v}: no such file")
+        kw["kubeconfig"] = v
+    return Config(**kw)

@@ -1,0 +1,227 @@
+"""Simulated device backend: GPUs from a scenario, with scripted faults.
+
+It behaves like a vendor library where that matters for the rest of the agent: a lost GPU fails
+its reads, a hung call really blocks (so the deadline runner is exercised), XIDs arrive on an
+event thread at their scheduled time, and MIG parents report no utilization of their own.
+Simulated time runs ``time_scale`` times faster than real time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import structlog
+
+from ..sim.scenario import Fault, GpuSpec, MigSpec, Scenario
+from .base import DeviceBackend, EventSink
+from .model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction, Vendor
+
+log = structlog.get_logger(__name__)
+
+
+class SimClock:
+    """Simulated seconds since start, running ``scale`` times faster than the wall clock."""
+
+    def __init__(self, scale: float = 1.0, start_offset: float = 0.0) -> None:
+        self.scale = scale
+        self._t0 = time.monotonic()
+        self._epoch0 = time.time()
+        self._offset = start_offset
+
+    def now(self) -> float:
+        return self._offset + (time.monotonic() - self._t0) * self.scale
+
+    def epoch(self, sim_t: float | None = None) -> float:
+        """Wall-clock-like timestamp (seconds since 1970) of a simulated instant."""
+        t = self.now() if sim_t is None else sim_t
+        return self._epoch0 + (t - self._offset)
+
+    def real_seconds(self, sim_seconds: float) -> float:
+        return max(0.0, sim_seconds / self.scale)
+
+
+@dataclass
+class _Energy:
+    t: float = 0.0
+    joules: float = 0.0
+
+
+class SimBackend(DeviceBackend):
+    name = "sim"
+
+    def __init__(self, scenario: Scenario, clock: SimClock | None = None) -> None:
+        self.scenario = scenario
+        self.clock = clock or SimClock()
+        self._stop = threading.Event()
+        self._energy: dict[str, _Energy] = {}
+        self._identities: list[DeviceIdentity] = []
+        self._by_uuid: dict[str, tuple[GpuSpec, MigSpec | None]] = {}
+        self._thread: threading.Thread | None = None
+
+    # -- DeviceBackend -----------------------------------------------------------------------
+    def open(self) -> None:
+        ids: list[DeviceIdentity] = []
+        for idx, g in enumerate(self.scenario.gpus):
+            ids.append(
+                DeviceIdentity(
+                    uuid=g.uuid,
+                    vendor=Vendor.NVIDIA,
+                    model=g.model,
+                    pci_bus_id=g.pci_bus_id,
+                    index=idx,
+                    minor=g.minor,
+                    driver_version=self.scenario.driver_version,
+                    serial=f"SIM{g.minor:09d}",
+                    memory_total_bytes=g.memory_bytes,
+                )
+            )
+            self._by_uuid[g.uuid] = (g, None)
+            for j, m in enumerate(g.mig):
+                ids.append(
+                    DeviceIdentity(
+                        uuid=m.uuid,
+                        vendor=Vendor.NVIDIA,
+                        model=f"{g.model} MIG {m.profile}",
+                        pci_bus_id=g.pci_bus_id,
+                        index=j,
+                        minor=g.minor,
+                        driver_version=self.scenario.driver_version,
+                        parent_uuid=g.uuid,
+                        mig_profile=m.profile,
+                        gpu_instance_id=m.placement_start + 1,
+                        compute_instance_id=0,
+                        gi_profile_id=m.gi_profile_id,
+                        placement_start=m.placement_start,
+                        memory_total_bytes=m.memory_bytes,
+                    )
+                )
+                self._by_uuid[m.uuid] = (g, m)
+        self._identities = ids
+
+    def enumerate(self) -> list[DeviceIdentity]:
+        return list(self._identities)
+
+    def driver_version(self) -> str:
+        return self.scenario.driver_version
+
+    def read(self, device: DeviceIdentity) -> DeviceReading:
+        g, mig = self._by_uuid[device.uuid]
+        t = self.clock.now()
+        active = self._active(g.name, t)
+        hang = active.get("hang")
+        if hang is not None:
+            # Block like a wedged driver call would, until the scripted hang ends or we stop.
+            end = hang.until if hang.until is not None else float("inf")
+            self._stop.wait(self.clock.real_seconds(end - t) if end != float("inf") else None)
+            t = self.clock.now()
+            active = self._active(g.name, t)
+        if "lost" in active:
+            return DeviceReading.failed(device.uuid, ReadError.LOST, "GPU has fallen off the bus (simulated)")
+
+        r = DeviceReading(uuid=device.uuid, timestamp=self.clock.epoch(t))
+        ecc = active.get("ecc_uncorrectable")
+        r.ecc_uncorrectable_total = int(ecc.rate_per_minute * (t - ecc.at) / 60.0) if ecc else 0
+        r.ecc_correctable_total = int(t // 600)  # a slow trickle, as on real HBM
+        if mig is not None:
+            util = mig.utilization.at(t)
+            r.utilization_ratio = None  # NVML: utilization rates unsupported on MIG
+            r.sm_active_ratio = util
+            r.memory_total_bytes = mig.memory_bytes
+            r.memory_used_bytes = int(mig.memory_bytes * mig.memory_used.at(t))
+            return r
+
+        if g.mig:
+            # A MIG parent has no utilization of its own in NVML; its activity (and so its power)
+            # is the instances' activity weighted by their share of the GPU's memory.
+            util = sum(m.utilization.at(t) * m.memory_bytes for m in g.mig) / g.memory_bytes
+            r.memory_used_bytes = sum(int(m.memory_bytes * m.memory_used.at(t)) for m in g.mig)
+            r.utilization_ratio = None
+            r.sm_active_ratio = util
+        else:
+            util = g.utilization.at(t)
+            r.utilization_ratio = util
+            r.sm_active_ratio = util * 0.9
+            r.tensor_active_ratio = util * 0.6
+            r.dram_active_ratio = util * 0.4
+            r.memory_used_bytes = int(g.memory_bytes * g.memory_used.at(t))
+        r.memory_total_bytes = g.memory_bytes
+        power = g.idle_power_watts + (g.power_limit_watts - g.idle_power_watts) * util
+        r.power_watts = round(power, 3)
+        r.energy_joules = self._integrate_energy(g.uuid, t, power)
+        r.temperature_celsius = round(g.temperature_base + 45.0 * util, 1)
+        r.memory_temperature_celsius = round(g.temperature_base + 30.0 * util, 1)
+        r.sm_clock_hertz = (1155 + 825 * util) * 1e6
+        r.memory_clock_hertz = 2619e6
+        r.clock_event_reasons = 0x1 if util < 0.05 else 0x0
+        r.pcie_replay_total = 0
+        r.retired_pages_total = 0
+        r.retired_pages_pending = False
+        r.remapped_rows_correctable = 0
+        r.remapped_rows_uncorrectable = 0
+        r.row_remap_pending = "row_remap_pending" in active
+        r.row_remap_failure = "row_remap_failure" in active
+        ra = active.get("recovery_action")
+        r.recovery_action = RecoveryAction(ra.code) if ra else RecoveryAction.NONE
+        return r
+
+    def start_events(self, sink: EventSink) -> None:
+        self._thread = threading.Thread(target=self._event_loop, args=(sink,), name="sim-events", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _active(self, gpu: str, t: float) -> dict[str, Fault]:
+        """Faults in effect on ``gpu`` at simulated time ``t`` (latest of each kind wins).
+
+        A ``reset`` ends every earlier fault on the GPU, as a real reset clears a lost GPU,
+        a pending remap and the recovery action.
+        """
+        out: dict[str, Fault] = {}
+        for f in self.scenario.faults:
+            if f.gpu != gpu or f.at > t:
+                continue
+            if f.kind == "reset":
+                out.clear()
+                continue
+            if f.kind == "xid":
+                continue
+            if f.until is not None and t >= f.until:
+                continue
+            out[f.kind] = f
+        return out
+
+    def _integrate_energy(self, uuid: str, t: float, watts: float) -> float:
+        e = self._energy.setdefault(uuid, _Energy(t=t))
+        if t > e.t:
+            e.joules += watts * (t - e.t)
+            e.t = t
+        return round(e.joules, 3)
+
+    def _event_loop(self, sink: EventSink) -> None:
+        kinds = {
+            "xid": EventKind.XID,
+            "lost": EventKind.GPU_LOST,
+            "reset": EventKind.RESET,
+            "recovery_action": EventKind.RECOVERY_ACTION,
+            "ecc_uncorrectable": EventKind.ECC_DBE,
+        }
+        pending = [f for f in self.scenario.faults if f.kind in kinds]
+        start = self.clock.now()
+        pending = [f for f in pending if f.at >= start]
+        for f in pending:
+            wait = self.clock.real_seconds(f.at - self.clock.now())
+            if self._stop.wait(wait):
+                return
+            uuid = self.scenario.gpu(f.gpu).uuid
+            ev = DeviceEvent(uuid=uuid, kind=kinds[f.kind], code=f.code, timestamp=self.clock.epoch(f.at), detail=f"scripted {f.kind}")
+            log.info("sim_event", uuid=uuid, kind=ev.kind.value, code=f.code, sim_t=round(f.at, 1))
+            try:
+                sink(ev)
+            except Exception:  # the sink belongs to the health engine; never let it kill us
+                log.exception("event_sink_failed", uuid=uuid)

@@ -1,0 +1,300 @@
+"""Per-device health: readings and events in, conditions out.
+
+Two kinds of evidence:
+
+* **Levels**, polled every cycle from readings: a lost or hung GPU, a recovery action asked by
+  the driver, a row-remap failure or pending remap, growing uncorrectable ECC. A level
+  condition holds while the state holds and clears only after the state has been clean for
+  ``clear_hold`` seconds (hysteresis, so a flapping device does not flap its taint).
+* **Events**, pushed by the device library (XIDs, double-bit ECC, GPU lost). A fatal event
+  holds until a reset of the GPU has been observed and it has then been quiet for
+  ``clear_hold``; a degraded one until it has been quiet for ``event_quiet``; an informational
+  one expires after ``info_quiet``.
+
+Repeats escalate: the same informational XID ``info_repeat`` times within ``repeat_window`` on
+one GPU becomes degraded, a degraded condition seen ``degraded_repeat`` times becomes fatal.
+A GPU that goes unhealthy again ``sticky_after`` times within ``sticky_window`` is *sticky*: it
+stays unhealthy until a person clears it (:meth:`HealthEngine.clear_sticky`).
+
+All times come from an injected clock (epoch seconds), so the demo can run faster than real
+time and tests need no sleeps.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable, Mapping
+
+import structlog
+
+from ..devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction
+from .model import Condition, DeviceHealth, Tier
+from .xid import classify_xid
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    clear_hold: float = 120.0
+    event_quiet: float = 1800.0
+    info_quiet: float = 600.0
+    repeat_window: float = 86400.0
+    info_repeat: int = 3
+    degraded_repeat: int = 3
+    sticky_after: int = 3
+    sticky_window: float = 7 * 86400.0
+    ecc_growth_tier: Tier = Tier.FATAL
+
+
+@dataclass
+class _EventCond:
+    cond: Condition
+    reset_seen: bool = False
+
+
+@dataclass
+class _DeviceState:
+    levels: dict[str, Condition] = field(default_factory=dict)
+    level_clean_since: dict[str, float] = field(default_factory=dict)
+    events: dict[str, _EventCond] = field(default_factory=dict)
+    history: dict[str, deque] = field(default_factory=lambda: defaultdict(deque))  # reason -> times
+    last_ecc_unc: int | None = None
+    last_ok: bool | None = None
+    was_healthy: bool = True
+    failures: deque = field(default_factory=deque)  # times the device went unhealthy
+    sticky: bool = False
+    last_reset: float | None = None
+
+
+Listener = Callable[[str], None]
+
+
+class HealthEngine:
+    def __init__(self, clock: Callable[[], float], policy: HealthPolicy | None = None) -> None:
+        self.clock = clock
+        self.policy = policy or HealthPolicy()
+        self._lock = threading.RLock()
+        self._state: dict[str, _DeviceState] = defaultdict(_DeviceState)
+        self._parents: dict[str, str] = {}
+        self.xid_counts: Counter[tuple[str, int]] = Counter()
+        self.read_errors: Counter[tuple[str, str]] = Counter()
+        self._listeners: list[Listener] = []
+
+    # -- wiring ------------------------------------------------------------------------------
+    def subscribe(self, fn: Listener) -> None:
+        """``fn(uuid)`` is called (outside the lock) whenever a device's health may have changed."""
+        self._listeners.append(fn)
+
+    def _notify(self, uuids: Iterable[str]) -> None:
+        for u in uuids:
+            for fn in self._listeners:
+                try:
+                    fn(u)
+                except Exception:
+                    log.exception("health_listener_failed", uuid=u)
+
+    def set_topology(self, identities: Iterable[DeviceIdentity]) -> None:
+        with self._lock:
+            self._parents = {i.uuid: i.parent_uuid for i in identities if i.is_partition}
+
+    def _physical(self, uuid: str) -> str:
+        """Faults are physical: an event on a MIG instance is a fact about its GPU."""
+        return self._parents.get(uuid, uuid)
+
+    # -- evidence ----------------------------------------------------------------------------
+    def on_event(self, ev: DeviceEvent) -> None:
+        """Called from a backend's event thread."""
+        uuid = self._physical(ev.uuid)
+        now = self.clock()
+        with self._lock:
+            st = self._state[uuid]
+            if ev.kind == EventKind.XID:
+                self.xid_counts[(uuid, ev.code)] += 1
+                self._event_condition(st, uuid, f"xid_{ev.code}", classify_xid(ev.code), now, f"XID {ev.code} {ev.detail}".strip())
+            elif ev.kind == EventKind.ECC_DBE:
+                self._event_condition(st, uuid, "ecc_double_bit", Tier.FATAL, now, "double-bit (uncorrectable) ECC error event")
+            elif ev.kind == EventKind.GPU_LOST:
+                self._event_condition(st, uuid, "gpu_lost_event", Tier.FATAL, now, ev.detail or "GPU unavailable event")
+            elif ev.kind == EventKind.RECOVERY_ACTION:
+                tier = _recovery_tier(ev.code)
+                if tier is not None:
+                    self._event_condition(st, uuid, f"recovery_action_{_ra_name(ev.code)}", tier, now, f"driver asks for {_ra_name(ev.code)}")
+            elif ev.kind == EventKind.RAS:
+                self._event_condition(st, uuid, "ras_error", Tier.DEGRADED, now, ev.detail or "RAS error event")
+            elif ev.kind == EventKind.RESET:
+                self._observe_reset(st, now)
+            self._update_transitions(uuid, st, now)
+        log.info("device_event", uuid=uuid, kind=ev.kind.value, code=ev.code)
+        self._notify([uuid])
+
+    def observe(self, identities: Iterable[DeviceIdentity], readings: Mapping[str, DeviceReading]) -> None:
+        """Called once per cycle with the cycle's readings (full GPUs and instances)."""
+        now = self.clock()
+        changed: list[str] = []
+        with self._lock:
+            for ident in identities:
+                if ident.is_partition:
+                    continue  # physical state lives on the parent
+                r = readings.get(ident.uuid)
+                if r is None:
+                    continue
+                st = self._state[ident.uuid]
+                before = self._health_locked(ident.uuid, now)
+                self._observe_reading(ident.uuid, st, r, now)
+                self._update_transitions(ident.uuid, st, now)
+                if self._health_locked(ident.uuid, now) != before:
+                    changed.append(ident.uuid)
+        if changed:
+            self._notify(changed)
+
+    def _observe_reading(self, uuid: str, st: _DeviceState, r: DeviceReading, now: float) -> None:
+        levels: dict[str, tuple[Tier, str]] = {}
+        if not r.ok:
+            self.read_errors[(uuid, (r.error or ReadError.ERROR).value)] += 1
+            if r.error == ReadError.LOST:
+                levels["gpu_lost"] = (Tier.FATAL, r.error_detail or "GPU is lost")
+            elif r.error == ReadError.TIMEOUT:
+                levels["driver_hung"] = (Tier.FATAL, r.error_detail or "driver call did not return")
+            elif r.error == ReadError.UNKNOWN:
+                levels["driver_error"] = (Tier.DEGRADED, r.error_detail or "driver returned an unknown error")
+        else:
+            if st.last_ok is False:
+                # The device answers again after failing: a reset, reload or re-seat happened.
+                self._observe_reset(st, now)
+            tier = _recovery_tier(int(r.recovery_action)) if r.recovery_action is not None else None
+            if tier is not None:
+                levels[f"recovery_action_{_ra_name(int(r.recovery_action))}"] = (tier, f"driver asks for {_ra_name(int(r.recovery_action))}")
+            if r.row_remap_failure:
+                levels["row_remap_failure"] = (Tier.FATAL, "row remapping failed: no spare rows")
+            if r.row_remap_pending:
+                levels["row_remap_pending"] = (Tier.DEGRADED, "row remap pending: reset needed")
+            if r.retired_pages_pending:
+                levels["retired_pages_pending"] = (Tier.DEGRADED, "page retirement pending: reset needed")
+            if r.ecc_uncorrectable_total is not None:
+                if st.last_ecc_unc is not None and r.ecc_uncorrectable_total > st.last_ecc_unc:
+                    grew = r.ecc_uncorrectable_total - st.last_ecc_unc
+                    self._event_condition(st, uuid, "ecc_uncorrectable_growth", self.policy.ecc_growth_tier, now, f"uncorrectable ECC errors grew by {grew} to {r.ecc_uncorrectable_total}")
+                st.last_ecc_unc = r.ecc_uncorrectable_total
+        st.last_ok = r.ok
+
+        for reason, (tier, evidence) in levels.items():
+            old = st.levels.get(reason)
+            st.levels[reason] = (
+                replace(old, tier=tier, last_seen=now, evidence=evidence, count=old.count + 1)
+                if old
+                else Condition(uuid=uuid, tier=tier, reason=reason, since=now, last_seen=now, evidence=evidence)
+            )
+            st.level_clean_since.pop(reason, None)
+        for reason in list(st.levels):
+            if reason in levels:
+                continue
+            clean = st.level_clean_since.setdefault(reason, now)
+            if now - clean >= self.policy.clear_hold:
+                del st.levels[reason]
+                del st.level_clean_since[reason]
+                log.info("condition_cleared", uuid=uuid, reason=reason)
+
+    def _observe_reset(self, st: _DeviceState, now: float) -> None:
+        st.last_reset = now
+        for ec in st.events.values():
+            ec.reset_seen = True
+        st.last_ecc_unc = None  # counters restart after a reset
+
+    def _event_condition(self, st: _DeviceState, uuid: str, reason: str, tier: Tier, now: float, evidence: str) -> None:
+        hist = st.history[reason]
+        hist.append(now)
+        while hist and now - hist[0] > self.policy.repeat_window:
+            hist.popleft()
+        if tier == Tier.INFORMATIONAL and len(hist) >= self.policy.info_repeat:
+            tier, evidence = Tier.DEGRADED, f"{evidence} (repeated {len(hist)}x in {self.policy.repeat_window / 3600:g}h)"
+        elif tier == Tier.DEGRADED and len(hist) >= self.policy.degraded_repeat:
+            tier, evidence = Tier.FATAL, f"{evidence} (repeated {len(hist)}x in {self.policy.repeat_window / 3600:g}h)"
+        old = st.events.get(reason)
+        if old is not None and old.cond.tier.rank > tier.rank:
+            tier = old.cond.tier  # never de-escalate on a repeat
+        cond = (
+            replace(old.cond, tier=tier, last_seen=now, evidence=evidence, count=old.cond.count + 1)
+            if old
+            else Condition(uuid=uuid, tier=tier, reason=reason, since=now, last_seen=now, evidence=evidence)
+        )
+        st.events[reason] = _EventCond(cond=cond, reset_seen=False)
+
+    def _expire_events(self, st: _DeviceState, now: float) -> None:
+        p = self.policy
+        for reason, ec in list(st.events.items()):
+            quiet = now - ec.cond.last_seen
+            t = ec.cond.tier
+            if t == Tier.FATAL:
+                done = ec.reset_seen and st.last_reset is not None and now - st.last_reset >= p.clear_hold and st.last_reset >= ec.cond.last_seen
+            elif t == Tier.DEGRADED:
+                done = quiet >= p.event_quiet or (ec.reset_seen and st.last_reset is not None and now - st.last_reset >= p.clear_hold)
+            else:
+                done = quiet >= p.info_quiet
+            if done:
+                del st.events[reason]
+                log.info("condition_cleared", uuid=ec.cond.uuid, reason=reason)
+
+    def _update_transitions(self, uuid: str, st: _DeviceState, now: float) -> None:
+        healthy = self._health_locked(uuid, now).healthy
+        if st.was_healthy and not healthy:
+            st.failures.append(now)
+            while st.failures and now - st.failures[0] > self.policy.sticky_window:
+                st.failures.popleft()
+            if len(st.failures) >= self.policy.sticky_after and not st.sticky:
+                st.sticky = True
+                log.warning("device_sticky", uuid=uuid, failures=len(st.failures))
+        st.was_healthy = healthy
+
+    # -- results -----------------------------------------------------------------------------
+    def _health_locked(self, uuid: str, now: float) -> DeviceHealth:
+        st = self._state.get(uuid)
+        if st is None:
+            return DeviceHealth(uuid=uuid)
+        self._expire_events(st, now)
+        conds = list(st.levels.values()) + [ec.cond for ec in st.events.values()]
+        if st.sticky and not any(c.tier != Tier.INFORMATIONAL for c in conds):
+            first = min(st.failures) if st.failures else now
+            conds.append(Condition(uuid=uuid, tier=Tier.FATAL, reason="repeated_failures", since=first, last_seen=now, evidence=f"failed {len(st.failures)} times within {self.policy.sticky_window / 86400:g} days; clear by hand", count=len(st.failures)))
+        conds.sort(key=lambda c: (-c.tier.rank, c.reason))
+        return DeviceHealth(uuid=uuid, conditions=tuple(conds), sticky=st.sticky)
+
+    def health(self, uuid: str) -> DeviceHealth:
+        with self._lock:
+            return self._health_locked(uuid, self.clock())
+
+    def all_health(self) -> dict[str, DeviceHealth]:
+        with self._lock:
+            now = self.clock()
+            return {u: self._health_locked(u, now) for u in list(self._state)}
+
+    def last_reset(self, uuid: str) -> float | None:
+        with self._lock:
+            st = self._state.get(uuid)
+            return st.last_reset if st else None
+
+    def clear_sticky(self, uuid: str) -> None:
+        with self._lock:
+            st = self._state.get(uuid)
+            if st is not None and st.sticky:
+                st.sticky = False
+                st.failures.clear()
+                log.info("sticky_cleared", uuid=uuid)
+        self._notify([uuid])
+
+
+def _ra_name(code: int) -> str:
+    try:
+        return RecoveryAction(code).name.lower()
+    except ValueError:
+        return f"unknown_{code}"
+
+
+def _recovery_tier(code: int) -> Tier | None:
+    if code == RecoveryAction.NONE:
+        return None
+    if code in (RecoveryAction.GPU_RESET, RecoveryAction.DRAIN_AND_RESET, RecoveryAction.NODE_REBOOT):
+        return Tier.FATAL
+    return Tier.DEGRADED

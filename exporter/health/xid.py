@@ -1,0 +1,27 @@
+"""XID classification: which tier an NVIDIA XID puts a GPU in.
+
+Tiers follow reference/anchors-health.md section 5.3 and b.1: NVIDIA's catalog resolution
+buckets (RESET_GPU / RESTART_BM are fatal or degraded, RESTART_APP / IGNORE informational),
+DCGM's FAIL list, and what the device plugin treats as application errors.
+"""
+
+from __future__ import annotations
+
+from .model import Tier
+
+# The device is unusable or data is at risk: reset or power cycle needed.
+FATAL_XIDS = frozenset({48, 64, 79, 95, 119, 120, 140, 143})
+# Unreliable, needs a reset soon: stop placing new work there.
+DEGRADED_XIDS = frozenset({46, 62, 74, 109, 110, 136, 155, 156, 158} | set(range(144, 151)))
+# Application-level or benign: a bad kernel, a page fault in user code, bookkeeping events.
+INFORMATIONAL_XIDS = frozenset({13, 31, 43, 45, 63, 68, 69, 92, 94, 154})
+
+
+def classify_xid(xid: int) -> Tier:
+    if xid in FATAL_XIDS:
+        return Tier.FATAL
+    if xid in DEGRADED_XIDS:
+        return Tier.DEGRADED
+    # Unknown XIDs are informational: tainting on a code we cannot interpret would evict
+    # workloads on guesswork. Repeats still escalate (see HealthPolicy).
+    return Tier.INFORMATIONAL

@@ -1,0 +1,256 @@
+"""A small TTL cache of the ResourceClaims this node's pods hold.
+
+Why GETs instead of a watch: ResourceClaims are namespaced and can be numerous cluster-wide,
+and no field selector narrows them to a node (``status.allocation.nodeSelector`` is not a
+selectable field). A watch would stream every claim of the cluster to every GPU node. The
+agent only needs the few claims the kubelet reports for its own pods, so it fetches exactly
+those, on a miss or when the cached copy is older than ``ttl``.
+
+The claim is a fallback source anyway (for devices that left the ResourceSlice, and for
+``status.devices[].data``); a copy up to ``ttl`` old is good enough. When the API is down, the
+last good copy keeps being served, flagged ``stale``, and fetching pauses with a backoff so a
+black-holed API server does not stall every collection cycle.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable
+from urllib.parse import quote
+
+import structlog
+
+from .connection import ApiClient, ApiError, get_json
+from .discovery import DEFAULT_PREFERENCE, RESOURCE_GROUP, Discovery
+from .model import ClaimInfo
+from .parse import ParseError, parse_claim
+from .slices import Backoff
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["ClaimCache", "ClaimEntry", "ClaimStats", "ClaimKey"]
+
+ClaimKey = tuple[str, str]  # (namespace, name)
+RESOURCE = "resourceclaims"
+
+
+@dataclass(frozen=True)
+class ClaimEntry:
+    info: ClaimInfo | None  # None: the claim does not exist (404) or could not be parsed
+    fetched_at: float
+    stale: bool = False  # the last refresh attempt failed; this is an older copy
+    error: str = ""
+
+
+@dataclass
+class ClaimStats:
+    fetches: int = 0
+    hits: int = 0
+    not_found: int = 0
+    errors: int = 0
+    malformed: int = 0
+    stale_served: int = 0
+
+
+class ClaimCache:
+    """``get``/``refresh`` fetch from ``/apis/resource.k8s.io/<v>/namespaces/<ns>/resourceclaims/<name>``.
+
+    Thread-safe; requests run without the lock held. Never raises: failures are logged,
+    counted, and recorded as ``last_error``.
+    """
+
+    def __init__(
+        self,
+        client: ApiClient,
+        api_version: str | None = None,
+        ttl: float = 30.0,
+        *,
+        negative_ttl: float = 10.0,
+        discovery: Discovery | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        backoff_initial: float = 1.0,
+        backoff_max: float = 60.0,
+        preference: tuple[str, ...] = DEFAULT_PREFERENCE,
+    ) -> None:
+        self._client = client
+        self._forced_version = api_version.rsplit("/", 1)[-1] if api_version else None
+        self._version = self._forced_version
+        self._discovery = discovery or Discovery(client)
+        self._preference = preference
+        self.ttl = ttl
+        self.negative_ttl = negative_ttl
+        self._clock = clock
+        self._backoff = Backoff(backoff_initial, backoff_max)
+        self._lock = threading.Lock()
+        self._entries: dict[ClaimKey, ClaimEntry] = {}
+        # per-entry lifetime, jittered so claims fetched together do not all expire together
+        self._expires: dict[ClaimKey, float] = {}
+        self._paused_until = 0.0
+        self._stats = ClaimStats()
+        self._last_error: str | None = None
+
+    # ------------------------------------------------------------------ public
+
+    def get(self, namespace: str, name: str) -> ClaimInfo | None:
+        """The claim, fetched if missing or expired; a stale copy when the API is down."""
+        key = (namespace, name)
+        if self._needs_fetch(key, self._clock()):
+            self._fetch_many([key])
+        entry = self.entry(namespace, name)
+        return entry.info if entry else None
+
+    def refresh(self, keys: Iterable[ClaimKey]) -> None:
+        """Fetch those of ``keys`` that are missing or expired (one call per collection cycle)."""
+        now = self._clock()
+        todo = [k for k in dict.fromkeys(keys) if self._needs_fetch(k, now)]
+        if todo:
+            self._fetch_many(todo)
+
+    def entry(self, namespace: str, name: str) -> ClaimEntry | None:
+        """The cached entry without any I/O (``stale`` tells whether it is a last good copy)."""
+        with self._lock:
+            entry = self._entries.get((namespace, name))
+            if entry is not None:
+                self._stats.hits += 1
+                if entry.stale:
+                    self._stats.stale_served += 1
+            return entry
+
+    def cached(self) -> dict[ClaimKey, ClaimInfo]:
+        """All claims currently known to exist, without I/O."""
+        with self._lock:
+            return {k: e.info for k, e in self._entries.items() if e.info is not None}
+
+    def prune(self, keep: Iterable[ClaimKey]) -> None:
+        """Forget claims no longer referenced, so the cache tracks the node's pods."""
+        keep_set = set(keep)
+        with self._lock:
+            for key in [k for k in self._entries if k not in keep_set]:
+                self._entries.pop(key, None)
+                self._expires.pop(key, None)
+
+    @property
+    def last_error(self) -> str | None:
+        with self._lock:
+            return self._last_error
+
+    @property
+    def stats(self) -> ClaimStats:
+        with self._lock:
+            return replace(self._stats)
+
+    @property
+    def api_version(self) -> str | None:
+        return self._version
+
+    # ------------------------------------------------------------------ internals
+
+    def _needs_fetch(self, key: ClaimKey, now: float) -> bool:
+        with self._lock:
+            if key not in self._entries:
+                return True
+            return now >= self._expires.get(key, 0.0)
+
+    def _ensure_version(self) -> str | None:
+        if self._version is None:
+            self._version = self._discovery.version_for(RESOURCE_GROUP, RESOURCE, self._preference)
+        return self._version
+
+    def _fetch_many(self, keys: list[ClaimKey]) -> None:
+        now = self._clock()
+        with self._lock:
+            if now < self._paused_until:
+                self._mark_stale_locked(keys, self._last_error or "API unavailable")
+                return
+        try:
+            version = self._ensure_version()
+        except ApiError as exc:
+            self._outage(keys, f"discovery: {exc}", exc.retry_after)
+            return
+        if version is None:
+            self._outage(keys, f"{RESOURCE_GROUP} serves no version with {RESOURCE}", None)
+            return
+        for i, key in enumerate(keys):
+            namespace, name = key
+            path = (
+                f"/apis/{RESOURCE_GROUP}/{version}/namespaces/{quote(namespace, safe='')}"
+                f"/{RESOURCE}/{quote(name, safe='')}"
+            )
+            with self._lock:
+                self._stats.fetches += 1
+            try:
+                obj = get_json(self._client, path)
+            except ApiError as exc:
+                if exc.status == 404:
+                    if self._forced_version is None and not self._group_version_still_served(version):
+                        self._outage(keys[i:], f"{RESOURCE_GROUP}/{version} no longer served", None)
+                        return
+                    self._store(key, None, self.negative_ttl, error="not found")
+                    with self._lock:
+                        self._stats.not_found += 1
+                    continue
+                if exc.retryable:
+                    # the API is down or throttling: stop this round, serve what we have
+                    self._outage(keys[i:], str(exc), exc.retry_after)
+                    return
+                # 401/403 and friends: a per-claim problem worth logging, not an outage
+                log.warning("k8s.claims.fetch_failed", namespace=namespace, claim=name, error=str(exc))
+                with self._lock:
+                    if key in self._entries:
+                        self._mark_stale_locked([key], str(exc))
+                    else:
+                        self._entries[key] = ClaimEntry(info=None, fetched_at=self._clock(), error=str(exc))
+                    self._stats.errors += 1
+                    self._last_error = str(exc)
+                    self._expires[key] = self._clock() + self.negative_ttl
+                continue
+            try:
+                info = parse_claim(obj, version)
+            except ParseError as exc:
+                log.warning("k8s.claims.malformed", namespace=namespace, claim=name, error=str(exc))
+                with self._lock:
+                    self._stats.malformed += 1
+                self._store(key, None, self.negative_ttl, error=str(exc))
+                continue
+            self._store(key, info, self.ttl)
+        with self._lock:
+            self._backoff.reset()
+            self._paused_until = 0.0
+            self._last_error = None
+
+    def _group_version_still_served(self, version: str) -> bool:
+        # A 404 normally means "no such claim". After a control-plane upgrade it can also mean
+        # the version is gone; tell the two apart once, cheaply, through cached discovery.
+        try:
+            self._discovery.refresh()
+            if RESOURCE in self._discovery.resources(RESOURCE_GROUP, version):
+                return True
+        except ApiError:
+            return True  # cannot tell; treat the 404 as about the claim
+        self._version = None
+        return False
+
+    def _store(self, key: ClaimKey, info: ClaimInfo | None, ttl: float, error: str = "") -> None:
+        now = self._clock()
+        with self._lock:
+            self._entries[key] = ClaimEntry(info=info, fetched_at=now, stale=False, error=error)
+            self._expires[key] = now + ttl * (0.8 + 0.2 * random.random())
+
+    def _mark_stale_locked(self, keys: Iterable[ClaimKey], error: str) -> None:
+        """Keep the last good copies of ``keys`` and flag them. Caller holds the lock."""
+        for key in keys:
+            old = self._entries.get(key)
+            if old is not None and not old.stale:
+                self._entries[key] = replace(old, stale=True, error=error)
+
+    def _outage(self, keys: list[ClaimKey], error: str, retry_after: float | None) -> None:
+        delay = self._backoff.next_delay(retry_after)
+        with self._lock:
+            self._stats.errors += 1
+            self._last_error = error
+            self._paused_until = self._clock() + delay
+            self._mark_stale_locked(keys, error)
+        log.warning("k8s.claims.unavailable", error=error, retry_in=round(delay, 2), pending=len(keys))

@@ -1,0 +1,70 @@
+"""Kubernetes Events (events.k8s.io/v1) for every remediation action.
+
+Events about cluster-scoped objects (DeviceTaintRule, Node) go to the ``default`` namespace,
+as the kubelet does for Node events. Event names follow the kubelet convention
+``<regarding>.<hex nanoseconds>``. Failures to record an event are logged, never raised: an
+audit trail must not block remediation.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+from typing import Any
+
+import structlog
+
+from ..remediation.names import REPORTING_CONTROLLER
+from .connection import ApiError, request_json
+
+log = structlog.get_logger(__name__)
+
+
+def micro_time(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def build_event(
+    *, regarding: dict, reason: str, note: str, action: str, type_: str, node: str, now: float, namespace: str = "default"
+) -> dict:
+    name = f"{regarding.get('name', 'object')}.{time.time_ns():x}"[:253]
+    return {
+        "apiVersion": "events.k8s.io/v1",
+        "kind": "Event",
+        "metadata": {"name": name, "namespace": namespace},
+        "eventTime": micro_time(now),
+        "reportingController": REPORTING_CONTROLLER,
+        "reportingInstance": f"dra-gpu-exporter-{node}"[:128],
+        "action": action[:128],
+        "reason": reason[:128],
+        "regarding": regarding,
+        "note": note[:1024],
+        "type": type_,
+    }
+
+
+class EventRecorder:
+    def __init__(self, client: Any, node: str) -> None:
+        self.client = client
+        self.node = node
+        self.sent = 0
+        self.failed = 0
+        self._lock = threading.Lock()
+
+    def record(self, regarding: dict, reason: str, note: str, action: str, warning: bool = False) -> dict | None:
+        ev = build_event(regarding=regarding, reason=reason, note=note, action=action, type_="Warning" if warning else "Normal", node=self.node, now=time.time())
+        try:
+            out = request_json(self.client, "POST", "/apis/events.k8s.io/v1/namespaces/default/events", body=ev, timeout=(3.0, 5.0))
+        except ApiError as e:
+            with self._lock:
+                self.failed += 1
+            log.warning("event_not_recorded", reason=reason, error=str(e))
+            return None
+        with self._lock:
+            self.sent += 1
+        return out
+
+
+def node_ref(node: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Node", "name": node}

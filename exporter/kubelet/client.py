@@ -1,0 +1,207 @@
+"""Synchronous client for the kubelet PodResources v1 API over its unix socket.
+
+The sampler thread calls `PodResourcesClient.list()` once per interval. The client never
+raises anything but the three exceptions below, so one bad kubelet answer cannot take the
+sampler down, and it protects the kubelet from being hammered:
+
+- the channel is created lazily and re-created when the socket file is replaced (a kubelet
+  restart unlinks and re-binds it) or after UNAVAILABLE, because a grpc channel left in its
+  own reconnect backoff fails calls until the backoff expires (up to minutes by default);
+- after RESOURCE_EXHAUSTED (the kubelet's token bucket, 100 qps / burst 10, shared by all
+  podresources clients on the node) it backs off exponentially with jitter, 0.1 s to 5 s, and
+  during the backoff `list()` fails fast without touching the socket.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import stat
+import threading
+import time
+from typing import Callable
+
+import grpc
+import structlog
+
+from exporter.kubelet import api_pb2, api_pb2_grpc
+from exporter.kubelet.convert import to_snapshot
+from exporter.kubelet.model import PodResourcesSnapshot
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+# Kubernetes' own PodResources clients use 16 MiB; grpc's default of 4 MiB is too small for
+# nodes with many pods, and the kubelet itself sets no send limit.
+MAX_RECEIVE_MESSAGE_LENGTH = 16 * 1024 * 1024
+BACKOFF_MIN_S = 0.1
+BACKOFF_MAX_S = 5.0
+# sockaddr_un.sun_path is 108 bytes on Linux including the terminating NUL.
+_MAX_UNIX_PATH = 107
+
+
+class KubeletError(Exception):
+    """The PodResources call failed; base class of the more specific errors below."""
+
+    def __init__(self, socket_path: str, message: str) -> None:
+        super().__init__(f"kubelet podresources {socket_path}: {message}")
+        self.socket_path = socket_path
+
+
+class KubeletUnavailable(KubeletError):
+    """The kubelet cannot be reached: socket missing, connection refused, or deadline."""
+
+
+class KubeletRateLimited(KubeletError):
+    """The kubelet rejected the call by rate limit, or we are still backing off from that."""
+
+    def __init__(self, socket_path: str, message: str, retry_after: float) -> None:
+        super().__init__(socket_path, f"{message} (retry in {retry_after:.2f}s)")
+        self.retry_after = retry_after
+
+
+# (st_dev, st_ino, st_ctime_ns) of the socket file the channel was made for. The inode alone
+# is not enough: filesystems hand a freed inode number straight to the next new file, so a
+# re-bound socket often keeps its number; the change time tells the two files apart.
+_FileId = tuple[int, int, int]
+
+
+class PodResourcesClient:
+    """List the kubelet's pod resources; thread-safe, synchronous.
+
+    `clock` and `rng` exist so the backoff can be driven deterministically (tests, sims);
+    production code leaves them at their defaults.
+    """
+
+    def __init__(
+        self,
+        socket_path: str = DEFAULT_SOCKET,
+        timeout: float = 5.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.socket_path = socket_path
+        self.timeout = timeout
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._lock = threading.Lock()
+        self._channel: grpc.Channel | None = None
+        self._stub: api_pb2_grpc.PodResourcesListerStub | None = None
+        self._channel_file: _FileId | None = None
+        self._backoff_attempts = 0
+        self._backoff_until = 0.0
+        self._last_skipped = 0
+
+    # -- public -------------------------------------------------------------------------
+
+    def list(self) -> PodResourcesSnapshot:
+        """One List call. Raises KubeletUnavailable, KubeletRateLimited or KubeletError."""
+        with self._lock:
+            now = self._clock()
+            if now < self._backoff_until:
+                raise KubeletRateLimited(
+                    self.socket_path, "backing off after rate limit", self._backoff_until - now
+                )
+            stub = self._ensure_stub()
+            try:
+                resp = stub.List(api_pb2.ListPodResourcesRequest(), timeout=self.timeout)
+            except grpc.RpcError as err:
+                raise self._translate(err) from None
+            self._backoff_attempts = 0
+            self._backoff_until = 0.0
+            try:
+                snap = to_snapshot(resp)
+            except Exception as err:  # a converter bug must not kill the sampler thread
+                log.exception("kubelet_response_unreadable", socket=self.socket_path)
+                raise KubeletError(
+                    self.socket_path, f"could not interpret List response: {err!r}"
+                ) from err
+            if snap.skipped_entries != self._last_skipped:
+                # Logged on change only: the same old kubelet would otherwise log every interval.
+                log.warning(
+                    "kubelet_allocations_skipped",
+                    socket=self.socket_path,
+                    skipped=snap.skipped_entries,
+                    reason="claim resources without driver/pool/device (kubelet < 1.31)"
+                    " or empty device ids",
+                )
+                self._last_skipped = snap.skipped_entries
+            return snap
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop_channel()
+
+    def __enter__(self) -> PodResourcesClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _ensure_stub(self) -> api_pb2_grpc.PodResourcesListerStub:
+        path = self.socket_path
+        if len(os.fsencode(os.path.abspath(path))) > _MAX_UNIX_PATH:
+            raise KubeletError(path, f"socket path longer than {_MAX_UNIX_PATH} bytes")
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            self._drop_channel()
+            raise KubeletUnavailable(path, "socket does not exist") from None
+        except OSError as err:
+            self._drop_channel()
+            raise KubeletUnavailable(path, f"cannot stat socket: {err.strerror}") from None
+        if not stat.S_ISSOCK(st.st_mode):
+            self._drop_channel()
+            raise KubeletUnavailable(path, "path exists but is not a unix socket")
+
+        file_id = (st.st_dev, st.st_ino, st.st_ctime_ns)
+        if self._stub is not None and file_id != self._channel_file:
+            log.info("kubelet_socket_replaced", socket=path)
+            self._drop_channel()
+        if self._stub is None:
+            self._channel = grpc.insecure_channel(
+                "unix://" + os.path.abspath(path),
+                options=[
+                    ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_LENGTH),
+                    # We re-create the channel ourselves; keep grpc's own retry short too.
+                    ("grpc.initial_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 1000),
+                ],
+            )
+            self._stub = api_pb2_grpc.PodResourcesListerStub(self._channel)
+            self._channel_file = file_id
+        return self._stub
+
+    def _drop_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = None
+        self._stub = None
+        self._channel_file = None
+
+    def _translate(self, err: grpc.RpcError) -> KubeletError:
+        code = err.code() if isinstance(err, grpc.Call) else grpc.StatusCode.UNKNOWN
+        details = (err.details() if isinstance(err, grpc.Call) else None) or ""
+        path = self.socket_path
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            delay = self._next_backoff()
+            log.warning("kubelet_rate_limited", socket=path, details=details, backoff_s=delay)
+            return KubeletRateLimited(path, f"RESOURCE_EXHAUSTED: {details}", delay)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            # A fresh channel connects at once when the kubelet is back.
+            self._drop_channel()
+            return KubeletUnavailable(path, f"UNAVAILABLE: {details}")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return KubeletUnavailable(path, f"no answer within {self.timeout:g}s")
+        return KubeletError(path, f"{code.name}: {details}")
+
+    def _next_backoff(self) -> float:
+        """Exponential backoff with jitter, always within [BACKOFF_MIN_S, BACKOFF_MAX_S]."""
+        ceiling = min(BACKOFF_MAX_S, BACKOFF_MIN_S * (2**self._backoff_attempts))
+        self._backoff_attempts = min(self._backoff_attempts + 1, 32)
+        delay = self._rng.uniform(max(BACKOFF_MIN_S, ceiling / 2), ceiling)
+        self._backoff_until = self._clock() + delay
+        return delay

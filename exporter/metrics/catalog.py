@@ -1,0 +1,82 @@
+"""Every metric the exporter serves: name, type, labels and help, in one place.
+
+The renderer builds its families from this table and a test checks that README's metric
+reference lists exactly these names, so the documentation cannot drift from the code.
+Every series also carries ``node``; it is added by the renderer and not repeated here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str
+    kind: str  # gauge | counter | histogram | info
+    labels: tuple[str, ...]
+    help: str
+
+
+def _m(name: str, kind: str, labels: str, help: str) -> MetricDef:
+    return MetricDef(name, kind, tuple(x for x in labels.split(",") if x), help)
+
+
+U = "uuid"
+CATALOG: tuple[MetricDef, ...] = (
+    # devices
+    _m("gpu_info", "gauge", "uuid,vendor,model,pci_bus_id,driver_version,parent_uuid,mig_profile", "1 per device (full GPU, MIG instance or partition)"),
+    _m("gpu_up", "gauge", U, "1 when the device was read successfully in the last cycle"),
+    _m("gpu_utilization_ratio", "gauge", U, "Share of time a kernel was running (MIG: GPM SM activity), 0..1"),
+    _m("gpu_memory_used_bytes", "gauge", U, "Device memory in use"),
+    _m("gpu_memory_total_bytes", "gauge", U, "Device memory size"),
+    _m("gpu_power_watts", "gauge", U, "Board power draw"),
+    _m("gpu_energy_joules_total", "counter", U, "Energy consumed since the driver loaded"),
+    _m("gpu_temperature_celsius", "gauge", U, "GPU core temperature"),
+    _m("gpu_memory_temperature_celsius", "gauge", U, "Memory (HBM) temperature"),
+    _m("gpu_sm_clock_hertz", "gauge", U, "SM clock"),
+    _m("gpu_memory_clock_hertz", "gauge", U, "Memory clock"),
+    _m("gpu_clock_event_reasons", "gauge", U, "Bitmask of active clock event (throttle) reasons, NVML encoding"),
+    _m("gpu_sm_active_ratio", "gauge", U, "GPM: share of SM cycles with a warp resident, 0..1"),
+    _m("gpu_sm_occupancy_ratio", "gauge", U, "GPM: warp occupancy of the SMs, 0..1"),
+    _m("gpu_tensor_active_ratio", "gauge", U, "GPM: share of cycles the tensor pipes were active, 0..1"),
+    _m("gpu_dram_active_ratio", "gauge", U, "GPM: share of cycles the memory interface was active, 0..1"),
+    _m("gpu_ecc_errors_total", "counter", "uuid,type", "ECC errors since the driver loaded, type=correctable|uncorrectable"),
+    _m("gpu_retired_pages_total", "counter", U, "Retired memory pages"),
+    _m("gpu_remapped_rows_total", "counter", "uuid,type", "Remapped memory rows, type=correctable|uncorrectable"),
+    _m("gpu_row_remap_pending", "gauge", U, "1 when a row remap waits for a GPU reset"),
+    _m("gpu_row_remap_failure", "gauge", U, "1 when a row remap failed (no spare rows)"),
+    _m("gpu_pcie_replay_total", "counter", U, "PCIe replay counter"),
+    _m("gpu_recovery_action", "gauge", U, "Recovery action the driver asks for: 0 none, 1 GPU reset, 2 node reboot, 3 drain P2P, 4 drain and reset"),
+    _m("gpu_read_errors_total", "counter", "uuid,reason", "Cycles in which the device could not be read, by reason"),
+    _m("gpu_process_memory_used_bytes", "gauge", "uuid,namespace,pod", "Device memory used by a pod's processes (per-process attribution, needs --per-process)"),
+    # health
+    _m("gpu_healthy", "gauge", U, "1 healthy, 0 not (a fatal or degraded condition is active)"),
+    _m("gpu_health_condition", "gauge", "uuid,tier,reason", "1 while a condition is active, tier=fatal|degraded|informational"),
+    _m("gpu_xid_errors_total", "counter", "uuid,xid", "XID events received"),
+    # attribution
+    _m("dra_device_allocation_info", "gauge", "driver,pool,device,uuid,namespace,pod,container,claim", "The join table: one series per device held by a container; claim empty for device-plugin allocations (driver is then the resource name)"),
+    _m("dra_claim_devices", "gauge", "namespace,claim", "Devices allocated to the claim on this node"),
+    _m("dra_claim_pods", "gauge", "namespace,claim", "Pods on this node that hold the claim"),
+    _m("dra_claim_utilization_ratio", "gauge", "namespace,claim", "Mean utilization over the claim's devices, once per claim"),
+    _m("dra_claim_memory_used_bytes", "gauge", "namespace,claim", "Memory used, summed over the claim's devices"),
+    _m("dra_claim_memory_total_bytes", "gauge", "namespace,claim", "Memory size, summed over the claim's devices"),
+    _m("dra_claim_power_watts", "gauge", "namespace,claim", "Power summed over the claim's full GPUs (MIG instances have no power of their own)"),
+    _m("dra_claim_healthy", "gauge", "namespace,claim", "0 if any device of the claim is unhealthy"),
+    _m("dra_unresolved_devices", "gauge", "driver", "Allocated devices that could not be resolved to a local device"),
+    _m("dra_pod_labels", "gauge", "namespace,pod,labels", "Allow-listed pod labels (--pod-label-allowlist), as label_<key> labels"),
+    # remediation
+    _m("dra_device_taint_rule", "gauge", "driver,pool,device,effect,tier", "1 per DeviceTaintRule this agent owns"),
+    _m("dra_gpu_exporter_taint_actions_total", "counter", "action", "Remediation actions: create, adopt, update, delete, suppress, dry_run"),
+    _m("dra_gpu_exporter_taint_suppressed_total", "counter", "reason", "Taints not applied with their full effect, by reason (budget, rate_limit, node_fault, kill_switch, unmanaged, no_api)"),
+    _m("dra_gpu_exporter_taint_budget_exhausted", "gauge", "", "1 while the cluster-wide NoExecute budget is used up"),
+    _m("dra_gpu_exporter_detection_to_taint_seconds", "histogram", "", "Time from the first evidence of a fault to its DeviceTaintRule being written"),
+    # self
+    _m("dra_gpu_exporter_build_info", "gauge", "version", "Build information"),
+    _m("dra_gpu_exporter_collector_duration_seconds", "gauge", "collector", "Duration of the collector's last run"),
+    _m("dra_gpu_exporter_collector_success", "gauge", "collector", "1 if the collector's last run succeeded"),
+    _m("dra_gpu_exporter_last_collection_timestamp_seconds", "gauge", "", "When the last collection cycle finished"),
+    _m("dra_gpu_exporter_cycles_total", "counter", "", "Collection cycles run"),
+)
+
+BY_NAME = {m.name: m for m in CATALOG}

@@ -1,0 +1,87 @@
+"""The joined view of one node at one instant: devices, who holds them, and how they are doing.
+
+Built by :func:`exporter.model.join.join` from the three sources; read by the metrics renderer
+and the remediation engine. Immutable, so a renderer can work on it while the next is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..devices.model import DeviceIdentity, DeviceReading
+from ..health.model import DeviceHealth
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    identity: DeviceIdentity
+    reading: DeviceReading | None  # None before the first read
+    health: DeviceHealth
+
+    @property
+    def uuid(self) -> str:
+        return self.identity.uuid
+
+    @property
+    def up(self) -> bool:
+        return self.reading is not None and self.reading.ok
+
+    @property
+    def utilization(self) -> float | None:
+        """Utilization as the claim metrics use it.
+
+        NVML has no utilization rate for MIG instances (and MIG parents); there the best
+        equivalent is GPM's SM activity, which DCGM itself recommends for MIG.
+        """
+        r = self.reading
+        if r is None or not r.ok:
+            return None
+        return r.utilization_ratio if r.utilization_ratio is not None else r.sm_active_ratio
+
+
+@dataclass(frozen=True)
+class AllocationView:
+    """One row of the join table: a device held by a container (through a claim or a plugin)."""
+
+    driver: str  # DRA driver, or the device-plugin resource name
+    pool: str  # "" for device-plugin allocations
+    device: str  # DRA device name, or the device-plugin device id
+    uuid: str  # resolved physical device; "" when unresolvable
+    namespace: str
+    pod: str
+    container: str
+    claim: str  # "" for device-plugin allocations
+    source: str  # "dra" | "device-plugin"
+    method: str  # how uuid was resolved (attribute, claim-status, minor, ...)
+
+
+@dataclass(frozen=True)
+class ClaimView:
+    namespace: str
+    name: str
+    devices: tuple[tuple[str, str, str], ...]  # (driver, pool, device)
+    uuids: tuple[str, ...]  # resolved devices
+    pods: tuple[str, ...]
+    utilization: float | None  # mean over devices with a reading
+    memory_used_bytes: int | None  # sum
+    memory_total_bytes: int | None
+    power_watts: float | None  # sum over full GPUs (power is per physical GPU)
+    healthy: bool
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    node: str
+    timestamp: float
+    devices: tuple[DeviceView, ...] = ()
+    allocations: tuple[AllocationView, ...] = ()
+    claims: tuple[ClaimView, ...] = ()
+    unresolved: dict[str, int] = field(default_factory=dict)  # driver -> devices we could not resolve
+    pod_labels: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
+    pod_uids: dict[str, tuple[str, str]] = field(default_factory=dict)  # uid -> (namespace, pod)
+
+    def device(self, uuid: str) -> DeviceView | None:
+        for d in self.devices:
+            if d.uuid == uuid:
+                return d
+        return None

@@ -1,0 +1,171 @@
+"""What to do about one DRA device: pure decisions, no I/O.
+
+Given the device's health, the rule this agent already owns for it (if any), the mode and the
+safety state, :func:`decide` returns one :class:`Decision`. The engine executes it. Keeping the
+policy here makes every safety rule a plain-data test.
+
+Effects by tier in ``enforce`` mode: fatal -> NoExecute, degraded -> NoSchedule,
+informational -> None (where the server supports None). ``shadow`` writes None for every tier;
+``dry-run`` decides exactly like ``enforce`` and writes nothing.
+
+Safety, in the order applied to a rule that would *raise* the effect to NoExecute:
+  * node-wide fault (most of the node's GPUs failing at once) -> NoSchedule only;
+  * per-node rate limit on new NoExecute rules -> NoSchedule until the window allows;
+  * cluster-wide budget used up -> None (NoSchedule where None is not served).
+Lowering an effect is never blocked by them. The kill switch and ``managed=false`` stop
+every write. A rule is lowered one step per hold period (NoExecute -> NoSchedule -> gone), so a
+device that recovers and re-fails does not flap its taint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import TaintMode
+from ..health.model import DeviceHealth, Tier
+
+EFFECT_RANK = {"None": 0, "NoSchedule": 1, "NoExecute": 2}
+TIER_EFFECT = {Tier.FATAL: "NoExecute", Tier.DEGRADED: "NoSchedule", Tier.INFORMATIONAL: "None"}
+
+
+@dataclass(frozen=True)
+class Target:
+    """A DRA device published by this node's ResourceSlices, resolved to a local device."""
+
+    driver: str
+    pool: str
+    device: str
+    uuid: str  # the local device (a MIG instance's own uuid for MIG devices)
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.driver, self.pool, self.device)
+
+
+@dataclass
+class OwnedRule:
+    name: str
+    driver: str
+    pool: str
+    device: str
+    uuid: str
+    effect: str
+    tier: str
+    reason: str = ""
+    uid: str = ""
+    managed: bool = True
+    calm_since: float | None = None  # since when the device has wanted less than this rule
+    created_at: float | None = None
+    virtual: bool = False  # dry-run: what would exist; never written, never exported as a rule
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.driver, self.pool, self.device)
+
+
+@dataclass(frozen=True)
+class Safety:
+    kill_switch: bool = False
+    rate_ok: bool = True  # another NoExecute rule fits in this node's rate window
+    budget_ok: bool = True  # the cluster-wide NoExecute budget has room
+    node_fault: bool = False  # most of this node's GPUs failed together
+    supports_none: bool = True
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str  # nothing | create | update | delete | keep
+    effect: str = ""
+    tier: str = ""
+    reason: str = ""
+    evidence: str = ""
+    suppressed: str = ""  # why the effect is lower than the tier asks, or why nothing was written
+    calm_since: float | None = None
+    why: str = ""  # for delete: recovered | hardware_swap
+
+
+def wanted(health: DeviceHealth, mode: TaintMode, supports_none: bool) -> tuple[str | None, Tier | None]:
+    """The effect the device's worst condition asks for, before safety limits."""
+    tier = health.worst
+    if tier is None or mode == TaintMode.OFF:
+        return None, tier
+    effect = "None" if mode == TaintMode.SHADOW else TIER_EFFECT[tier]
+    if effect == "None" and not supports_none:
+        return None, tier
+    return effect, tier
+
+
+def _limit(effect: str, safety: Safety) -> tuple[str | None, str]:
+    if effect != "NoExecute":
+        return effect, ""
+    if safety.node_fault:
+        return "NoSchedule", "node_fault"
+    if not safety.rate_ok:
+        return "NoSchedule", "rate_limit"
+    if not safety.budget_ok:
+        return ("None" if safety.supports_none else "NoSchedule"), "budget"
+    return effect, ""
+
+
+def decide(
+    target: Target,
+    health: DeviceHealth,
+    rule: OwnedRule | None,
+    mode: TaintMode,
+    safety: Safety,
+    hold: float,
+    now: float,
+    admin_deleted_at: float | None = None,
+) -> Decision:
+    effect, tier = wanted(health, mode, safety.supports_none)
+    worst = next((c for c in health.conditions if c.tier == tier), None)
+    reason = worst.reason if worst else ""
+    evidence = worst.evidence if worst else ""
+
+    if rule is not None and not rule.managed:
+        return Decision("nothing", suppressed="unmanaged")
+    if rule is not None and rule.uuid and target.uuid and rule.uuid != target.uuid:
+        # Rules select by name; another GPU now answers to this name, so the rule's evidence
+        # is about hardware that is gone.
+        return Decision("delete", why="hardware_swap")
+
+    if effect is None:
+        limited, suppressed = None, ""
+    elif rule is not None and rule.effect == effect:
+        # Safety limits gate *raising* an effect; a rule that already has it keeps it (the
+        # budget and rate window already count this rule).
+        limited, suppressed = effect, ""
+    else:
+        limited, suppressed = _limit(effect, safety)
+
+    if rule is None:
+        if limited is None:
+            return Decision("nothing")
+        if admin_deleted_at is not None and (worst is None or worst.last_seen <= admin_deleted_at):
+            return Decision("nothing", suppressed="admin_deleted")
+        if safety.kill_switch:
+            return Decision("nothing", suppressed="kill_switch")
+        return Decision("create", effect=limited, tier=tier.value if tier else "", reason=reason, evidence=evidence, suppressed=suppressed)
+
+    current = EFFECT_RANK.get(rule.effect, 0)
+    target_rank = EFFECT_RANK[limited] if limited is not None else -1
+    if target_rank > current or (target_rank == current and limited is not None and tier is not None and tier.value != rule.tier):
+        if safety.kill_switch:
+            return Decision("keep", suppressed="kill_switch")
+        return Decision("update", effect=limited, tier=tier.value if tier else rule.tier, reason=reason, evidence=evidence, suppressed=suppressed)
+    if target_rank == current:
+        return Decision("keep", suppressed=suppressed)
+
+    # The device wants less than the rule says: step down once the hold period has passed.
+    calm = rule.calm_since if rule.calm_since is not None else now
+    if now - calm < hold:
+        return Decision("keep", calm_since=calm)
+    if safety.kill_switch:
+        return Decision("keep", calm_since=calm, suppressed="kill_switch")
+    if rule.effect == "NoExecute" and target_rank < EFFECT_RANK["NoSchedule"]:
+        step = "NoSchedule"
+    else:
+        step = limited
+    if step is None or (step == "None" and rule.effect == "None"):
+        return Decision("delete", why="recovered")
+    return Decision("update", effect=step, tier=tier.value if (tier is not None and step == limited) else rule.tier, reason=reason or rule.reason, evidence=evidence, calm_since=None)

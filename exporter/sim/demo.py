@@ -1,0 +1,219 @@
+"""``dra-gpu-exporter demo``: the whole product on one laptop.
+
+One process runs a simulated node: GPUs from a scenario, a real gRPC PodResources server on a
+temporary unix socket, and an in-process Kubernetes API (real HTTP) holding the node's
+ResourceSlice, ResourceClaims, Pods and the DeviceTaintRules the agent writes. The agent is
+built by the same wiring as in a cluster (gRPC client, API client over HTTP, remediation); only
+the device backend is simulated.
+
+To make the story complete, the demo also plays the part of kube-controller-manager's device
+taint eviction controller: a pod whose claim sits on a NoExecute-tainted device is deleted, and
+it comes back (as a Deployment's replacement would) once the taint is gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import structlog
+
+from ..config import Config
+from ..health.engine import HealthPolicy
+from .scenario import PodSpec, Scenario, ScenarioError, default_scenario, load_scenario
+
+log = structlog.get_logger(__name__)
+
+# Demo-speed safety and recovery timers, in simulated seconds: long enough to see each state.
+DEMO_POLICY = HealthPolicy(clear_hold=30.0, event_quiet=300.0, info_quiet=120.0)
+DEMO_HOLD = 60.0
+
+
+def _kubeconfig(path: Path, url: str) -> None:
+    path.write_text(
+        "apiVersion: v1\nkind: Config\n"
+        f"clusters:\n- name: demo\n  cluster:\n    server: {url}\n"
+        "users:\n- name: demo\n  user:\n    token: demo\n"
+        "contexts:\n- name: demo\n  context:\n    cluster: demo\n    user: demo\n"
+        "current-context: demo\n"
+    )
+
+
+class DemoCluster:
+    """The simulated cluster around the agent: kubelet, API server, and the eviction controller."""
+
+    def __init__(self, scenario: Scenario, clock, workdir: Path) -> None:
+        from ..sim.apiserver import FakeApiServer
+        from ..sim.kubelet import FakeKubelet
+        from . import objects
+
+        self.sc = scenario
+        self.clock = clock
+        self.objects = objects
+        self.workdir = workdir
+        self.socket = str(workdir / "kubelet.sock")
+        self.kubelet = FakeKubelet(self.socket)
+        self.api = FakeApiServer("1.37", bookmark_interval=5.0)
+        self.kubeconfig = workdir / "kubeconfig"
+        self.evicted: dict[tuple[str, str], float] = {}
+        self._live: list[PodSpec] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        url = self.api.start()
+        _kubeconfig(self.kubeconfig, url)
+        self.api.apply(self.objects.node(self.sc))
+        self.api.apply(self.objects.resource_slice(self.sc))
+        self.kubelet.start()
+        self.sync()
+        self._thread = threading.Thread(target=self._loop, name="demo-cluster", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=3)
+        self.kubelet.stop()
+        self.api.stop()
+
+    def _tainted_devices(self) -> set[str]:
+        out = set()
+        for r in self.api.list("resource.k8s.io", "devicetaintrules"):
+            spec = r.get("spec") or {}
+            if (spec.get("taint") or {}).get("effect") == "NoExecute":
+                out.add((spec.get("deviceSelector") or {}).get("device", ""))
+        return out
+
+    def sync(self) -> None:
+        """Bring kubelet and API objects in line with the scenario clock and the taints."""
+        t = self.clock.now()
+        tainted = self._tainted_devices()
+        live = []
+        for p in self.sc.pods:
+            if p.start > t or (p.end is not None and t >= p.end):
+                continue
+            devices = {
+                self.objects.device_name(self.sc, ref)
+                for ct in p.containers
+                for cn in ct.claims
+                for c in self.sc.claims
+                if c.namespace == p.namespace and c.name == cn
+                for ref in c.devices
+            }
+            key = (p.namespace, p.name)
+            if devices & tainted:
+                if key not in self.evicted:
+                    self.evicted[key] = t
+                    print(f"[sim {_mmss(t)}] evicted pod {p.namespace}/{p.name}: its claim's device {', '.join(sorted(devices & tainted))} is tainted NoExecute", flush=True)
+                continue
+            if key in self.evicted:
+                del self.evicted[key]
+                print(f"[sim {_mmss(t)}] pod {p.namespace}/{p.name} is running again", flush=True)
+            live.append(p)
+        if [p.name for p in live] == [p.name for p in self._live] and self._live:
+            return
+        self._live = live
+        self.kubelet.set_pods(self.objects.kubelet_pods(self.sc, live))
+        wanted = {(p.namespace, p.name) for p in live}
+        for obj in self.api.list("", "pods"):
+            m = obj["metadata"]
+            if (m["namespace"], m["name"]) not in wanted:
+                self.api.delete("", "pods", m["name"], m["namespace"])
+        for p in live:
+            self.api.apply(self.objects.pod_object(self.sc, p))
+        for c in self.objects.resource_claims(self.sc, live):
+            self.api.apply(c)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                self.sync()
+            except Exception:
+                log.exception("demo_cluster_sync_failed")
+
+
+def _mmss(t: float) -> str:
+    return f"{int(t // 60):02d}:{int(t % 60):02d}"
+
+
+def summary_line(agent, cluster: DemoCluster) -> str:
+    snap = agent.snapshot
+    if snap is None:
+        return "no data yet"
+    t = cluster.clock.now()
+    down = sum(1 for d in snap.devices if not d.up)
+    unhealthy = [d for d in snap.devices if not d.health.healthy and not d.identity.is_partition]
+    conds = "; ".join(
+        f"{d.uuid[:12]} {d.health.worst.value}: {','.join(sorted({c.reason for c in d.health.conditions}))}" for d in unhealthy
+    ) or "none"
+    rem = agent.src.remediation
+    taints = ", ".join(f"{r.device}={r.effect}" for r in rem.rule_views()) if rem else "off"
+    bad_claims = sum(1 for c in snap.claims if not c.healthy)
+    return (
+        f"[sim {_mmss(t)}] devices {len(snap.devices)} ({down} down) | pods {len({(a.namespace, a.pod) for a in snap.allocations})} | "
+        f"claims {len(snap.claims)} ({bad_claims} unhealthy) | conditions: {conds} | taints: {taints or 'none'}"
+    )
+
+
+def run_demo(cfg: Config, stop: threading.Event | None = None) -> int:
+    from ..cli import stop_on_signals
+    from ..devices.sim import SimBackend, SimClock
+    from ..wiring import build_agent
+
+    try:
+        scenario = load_scenario(cfg.scenario) if cfg.scenario else default_scenario()
+    except ScenarioError as e:
+        print(f"dra-gpu-exporter: error: {e}", file=sys.stderr)
+        return 2
+    clock = SimClock(cfg.time_scale)
+    workdir = Path(tempfile.mkdtemp(prefix="dra-demo-"))
+    cluster = DemoCluster(scenario, clock, workdir)
+    agent = None
+    try:
+        cluster.start()
+        acfg = dataclasses.replace(
+            cfg,
+            node_name=scenario.node,
+            kubelet_socket=cluster.socket,
+            kubeconfig=str(cluster.kubeconfig),
+            taint_hold_seconds=min(cfg.taint_hold_seconds, DEMO_HOLD),
+        )
+        backend = SimBackend(scenario, clock)
+        agent = build_agent(acfg, backend=backend, clock=clock.epoch, health_policy=DEMO_POLICY, remediation_resync=max(1.0, cfg.interval))
+        agent.start()
+        gpus = len(scenario.gpus)
+        migs = sum(len(g.mig) for g in scenario.gpus)
+        print(
+            f"dra-gpu-exporter demo: scenario {scenario.name!r} on node {scenario.node}: {gpus} GPUs, {migs} MIG instances, "
+            f"{len(scenario.pods)} pods, {len(scenario.claims)} claims, {len(scenario.faults)} scripted faults; time x{cfg.time_scale:g}\n"
+            f"  metrics:        {agent.server.url}/metrics\n"
+            f"  readiness:      {agent.server.url}/readyz\n"
+            f"  kubelet socket: {cluster.socket}\n"
+            f"  Kubernetes API: {cluster.api.url} (kubeconfig {cluster.kubeconfig})\n"
+            f"  taint mode:     {cfg.taint_mode.value}\n"
+            "Press Ctrl-C to stop.",
+            flush=True,
+        )
+        period = max(5.0, 60.0 / cfg.time_scale)
+        waiter = stop or threading.Event()
+        if stop is None:
+            stop_on_signals(waiter)
+        print(summary_line(agent, cluster), flush=True)
+        while not waiter.wait(period):
+            print(summary_line(agent, cluster), flush=True)
+        return 0
+    except OSError as e:
+        print(f"dra-gpu-exporter: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if agent is not None:
+            agent.stop()
+        cluster.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+        print("demo stopped; temporary files removed", flush=True)

@@ -1,0 +1,463 @@
+"""Scenario files for the simulated node (YAML or JSON).
+
+A scenario describes one node: its GPUs (MIG instances included), how their utilization,
+memory and power move over time, the pods and DRA claims that use them, and a fault schedule.
+The format is documented in docs/scenarios.md; parsing is strict, and every error names the
+place in the file ("gpus[2].mig[0].profile: ...") so a user can fix it in one go.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import uuid as uuidlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DRIVER = "gpu.nvidia.com"
+_NS = uuidlib.UUID("6f1c2f4e-1d0b-4c55-9a57-8a3c0e1d2b7a")
+
+
+class ScenarioError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Curve:
+    """A value over simulated time: base + amplitude * wave(t / period), clamped to [lo, hi]."""
+
+    pattern: str = "constant"  # constant | sine | square | sawtooth | ramp
+    base: float = 0.0
+    amplitude: float = 0.0
+    period: float = 300.0
+    phase: float = 0.0
+
+    def at(self, t: float, lo: float = 0.0, hi: float = 1.0) -> float:
+        x = ((t + self.phase) / self.period) if self.period > 0 else 0.0
+        if self.pattern == "sine":
+            w = math.sin(2 * math.pi * x)
+        elif self.pattern == "square":
+            w = 1.0 if (x % 1.0) < 0.5 else -1.0
+        elif self.pattern == "sawtooth":
+            w = 2.0 * (x % 1.0) - 1.0
+        elif self.pattern == "ramp":
+            w = min(x, 1.0)
+        else:
+            w = 0.0
+        return max(lo, min(hi, self.base + self.amplitude * w))
+
+
+@dataclass(frozen=True)
+class MigSpec:
+    profile: str
+    gi_profile_id: int
+    placement_start: int
+    memory_bytes: int
+    uuid: str
+    utilization: Curve
+    memory_used: Curve  # ratio of the instance's memory
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str  # scenario-local name used by claims and faults
+    uuid: str
+    model: str
+    minor: int
+    pci_bus_id: str
+    memory_bytes: int
+    power_limit_watts: float
+    idle_power_watts: float
+    utilization: Curve
+    memory_used: Curve
+    temperature_base: float
+    mig: tuple[MigSpec, ...] = ()
+
+    @property
+    def device_name(self) -> str:
+        return f"gpu-{self.minor}"
+
+    def mig_device_name(self, m: MigSpec) -> str:
+        # NVIDIA DRA driver v25.12+ naming: gpu-<minor>-mig-<profile without dots>-<giProfileId>-<start>
+        prof = re.sub(r"[^a-z0-9]", "", m.profile.lower())
+        return f"gpu-{self.minor}-mig-{prof}-{m.gi_profile_id}-{m.placement_start}"
+
+
+FAULT_KINDS = ("xid", "lost", "ecc_uncorrectable", "hang", "reset", "recovery_action", "row_remap_failure", "row_remap_pending")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    gpu: str  # GpuSpec.name, or "<gpu>/<mig profile>@<start>" is not supported: faults are physical
+    at: float
+    until: float | None = None  # lost, hang: end time; None = forever
+    code: int = 0  # xid number, recovery action value
+    rate_per_minute: float = 0.0  # ecc_uncorrectable growth
+
+
+@dataclass(frozen=True)
+class ClaimSpec:
+    namespace: str
+    name: str
+    devices: tuple[str, ...]  # GPU names, or "<gpu>:<mig profile>:<placement start>" for MIG
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    name: str
+    claims: tuple[str, ...] = ()  # claim names in the pod's namespace
+    device_plugin: tuple[tuple[str, str], ...] = ()  # (resource name, GPU name or gpu:profile:start)
+    restartable_init: bool = False
+
+
+@dataclass(frozen=True)
+class PodSpec:
+    namespace: str
+    name: str
+    containers: tuple[ContainerSpec, ...]
+    labels: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
+    start: float = 0.0  # pod exists from this simulated time
+    end: float | None = None  # and until this one
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    node: str
+    driver_version: str
+    gpus: tuple[GpuSpec, ...]
+    claims: tuple[ClaimSpec, ...]
+    pods: tuple[PodSpec, ...]
+    faults: tuple[Fault, ...]
+
+    def gpu(self, name: str) -> GpuSpec:
+        for g in self.gpus:
+            if g.name == name:
+                return g
+        raise KeyError(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# parsing helpers
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_bytes(v: Any, where: str) -> int:
+    if isinstance(v, bool):
+        raise ScenarioError(f"{where}: expected a size like 80Gi, got {v!r}")
+    if isinstance(v, (int, float)):
+        return int(v)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?|[kmgt]i?)?[Bb]?\s*", str(v))
+    if not m:
+        raise ScenarioError(f"{where}: expected a size like 80Gi or 40GB, got {v!r}")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def parse_duration(v: Any, where: str) -> float:
+    if isinstance(v, bool):
+        raise ScenarioError(f"{where}: expected a duration like 90s or 5m, got {v!r}")
+    if isinstance(v, (int, float)):
+        if v < 0:
+            raise ScenarioError(f"{where}: must not be negative")
+        return float(v)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*", str(v))
+    if not m:
+        raise ScenarioError(f"{where}: expected a duration like 90s, 5m or 1h, got {v!r}")
+    return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[m.group(2)]
+
+
+class _Obj:
+    """A mapping read with location-aware errors and a check for unknown keys."""
+
+    def __init__(self, data: Any, where: str) -> None:
+        if not isinstance(data, dict):
+            raise ScenarioError(f"{where}: expected a mapping, got {type(data).__name__}")
+        self.d = data
+        self.where = where
+        self.used: set[str] = set()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.used.add(key)
+        return self.d.get(key, default)
+
+    def req(self, key: str) -> Any:
+        self.used.add(key)
+        if key not in self.d:
+            raise ScenarioError(f"{self.where}.{key}: required")
+        return self.d[key]
+
+    def str(self, key: str, default: str | None = None) -> str:
+        v = self.req(key) if default is None else self.get(key, default)
+        if not isinstance(v, str):
+            raise ScenarioError(f"{self.where}.{key}: expected a string, got {v!r}")
+        return v
+
+    def num(self, key: str, default: float) -> float:
+        v = self.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ScenarioError(f"{self.where}.{key}: expected a number, got {v!r}")
+        return float(v)
+
+    def list(self, key: str) -> list:
+        v = self.get(key, [])
+        if v is None:
+            return []
+        if not isinstance(v, list):
+            raise ScenarioError(f"{self.where}.{key}: expected a list, got {type(v).__name__}")
+        return v
+
+    def done(self) -> None:
+        extra = sorted(set(self.d) - self.used)
+        if extra:
+            raise ScenarioError(f"{self.where}: unknown key(s) {', '.join(map(str, extra))}")
+
+
+def _curve(v: Any, where: str, default: Curve) -> Curve:
+    if v is None:
+        return default
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return Curve(base=float(v))
+    o = _Obj(v, where)
+    pattern = o.str("pattern", "constant")
+    if pattern not in ("constant", "sine", "square", "sawtooth", "ramp"):
+        raise ScenarioError(f"{where}.pattern: expected constant, sine, square, sawtooth or ramp, got {pattern!r}")
+    c = Curve(
+        pattern=pattern,
+        base=o.num("base", default.base),
+        amplitude=o.num("amplitude", 0.0),
+        period=parse_duration(o.get("period", 300), f"{where}.period"),
+        phase=parse_duration(o.get("phase", 0), f"{where}.phase"),
+    )
+    o.done()
+    return c
+
+
+def _stable_uuid(prefix: str, *parts: str) -> str:
+    return f"{prefix}-{uuidlib.uuid5(_NS, '/'.join(parts))}"
+
+
+_MIG_PROFILES = {  # H100 80GB: profile -> (GI profile id, memory GiB)
+    "1g.10gb": (19, 10),
+    "1g.20gb": (15, 20),
+    "2g.20gb": (14, 20),
+    "3g.40gb": (9, 40),
+    "4g.40gb": (5, 40),
+    "7g.80gb": (0, 80),
+}
+
+
+def _parse_gpu(i: int, raw: Any, node: str) -> GpuSpec:
+    where = f"gpus[{i}]"
+    o = _Obj(raw, where)
+    name = o.str("name", f"gpu{i}")
+    minor = int(o.num("minor", i))
+    uid = o.str("uuid", _stable_uuid("GPU", node, name))
+    if not re.fullmatch(r"GPU-[0-9a-fA-F-]{8,}", uid):
+        raise ScenarioError(f"{where}.uuid: expected GPU-<hex uuid>, got {uid!r}")
+    memory = parse_bytes(o.get("memory", "80Gi"), f"{where}.memory")
+    pci = o.str("pci_bus_id", "0000:%02x:00.0" % (0x18 + 0x10 * i))
+    from ..devices.model import normalize_pci_bus_id
+
+    pci_n = normalize_pci_bus_id(pci)
+    if not re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]", pci_n):
+        raise ScenarioError(f"{where}.pci_bus_id: expected a PCI address like 0000:1b:00.0, got {pci!r}")
+    util = _curve(o.get("utilization"), f"{where}.utilization", Curve(base=0.0))
+    mem = _curve(o.get("memory_used"), f"{where}.memory_used", Curve(base=0.0))
+    migs = []
+    for j, mraw in enumerate(o.list("mig")):
+        mw = f"{where}.mig[{j}]"
+        mo = _Obj(mraw, mw)
+        profile = mo.str("profile")
+        known = _MIG_PROFILES.get(profile)
+        gi = int(mo.num("gi_profile_id", known[0] if known else -1))
+        if gi < 0:
+            raise ScenarioError(f"{mw}.gi_profile_id: required for profile {profile!r} (known: {', '.join(_MIG_PROFILES)})")
+        start = int(mo.num("placement_start", j))
+        mmem = parse_bytes(mo.get("memory", f"{known[1]}Gi" if known else "10Gi"), f"{mw}.memory")
+        migs.append(
+            MigSpec(
+                profile=profile,
+                gi_profile_id=gi,
+                placement_start=start,
+                memory_bytes=mmem,
+                uuid=mo.str("uuid", _stable_uuid("MIG", node, name, profile, str(start))),
+                utilization=_curve(mo.get("utilization"), f"{mw}.utilization", Curve()),
+                memory_used=_curve(mo.get("memory_used"), f"{mw}.memory_used", Curve()),
+            )
+        )
+        mo.done()
+    starts = [m.placement_start for m in migs]
+    if len(set(starts)) != len(starts):
+        raise ScenarioError(f"{where}.mig: two instances share a placement_start")
+    g = GpuSpec(
+        name=name,
+        uuid=uid,
+        model=o.str("model", "NVIDIA H100 80GB HBM3"),
+        minor=minor,
+        pci_bus_id=pci_n,
+        memory_bytes=memory,
+        power_limit_watts=o.num("power_limit_watts", 700.0),
+        idle_power_watts=o.num("idle_power_watts", 70.0),
+        utilization=util,
+        memory_used=mem,
+        temperature_base=o.num("temperature_celsius", 35.0),
+        mig=tuple(migs),
+    )
+    o.done()
+    return g
+
+
+def _device_ref(ref: Any, where: str, gpus: dict[str, GpuSpec]) -> str:
+    """Validate a device reference: "<gpu>" or "<gpu>:<profile>:<start>"."""
+    if not isinstance(ref, str):
+        raise ScenarioError(f"{where}: expected a device reference string, got {ref!r}")
+    parts = ref.split(":")
+    g = gpus.get(parts[0])
+    if g is None:
+        raise ScenarioError(f"{where}: unknown GPU {parts[0]!r} (known: {', '.join(gpus)})")
+    if len(parts) == 1:
+        if g.mig:
+            raise ScenarioError(f"{where}: GPU {g.name!r} is in MIG mode; reference an instance as {g.name}:<profile>:<start>")
+        return ref
+    if len(parts) != 3 or not any(m.profile == parts[1] and str(m.placement_start) == parts[2] for m in g.mig):
+        raise ScenarioError(f"{where}: no MIG instance {ref!r} (expected <gpu>:<profile>:<placement start>)")
+    return ref
+
+
+def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
+    o = _Obj(data, source)
+    node = o.str("node", "demo-node")
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", node):
+        raise ScenarioError(f"{source}.node: {node!r} is not a valid node name")
+    gpu_list = [_parse_gpu(i, g, node) for i, g in enumerate(o.list("gpus"))]
+    if not gpu_list:
+        raise ScenarioError(f"{source}.gpus: at least one GPU is required")
+    gpus: dict[str, GpuSpec] = {}
+    for g in gpu_list:
+        if g.name in gpus:
+            raise ScenarioError(f"{source}.gpus: duplicate name {g.name!r}")
+        gpus[g.name] = g
+    for attr in ("minor", "uuid", "pci_bus_id"):
+        vals = [getattr(g, attr) for g in gpu_list]
+        if len(set(vals)) != len(vals):
+            raise ScenarioError(f"{source}.gpus: duplicate {attr}")
+
+    claims = []
+    for i, raw in enumerate(o.list("claims")):
+        co = _Obj(raw, f"claims[{i}]")
+        devs = tuple(_device_ref(d, f"claims[{i}].devices[{j}]", gpus) for j, d in enumerate(co.list("devices")))
+        if not devs:
+            raise ScenarioError(f"claims[{i}].devices: at least one device is required")
+        claims.append(ClaimSpec(namespace=co.str("namespace", "default"), name=co.str("name"), devices=devs))
+        co.done()
+    claim_keys = {(c.namespace, c.name) for c in claims}
+    if len(claim_keys) != len(claims):
+        raise ScenarioError(f"{source}.claims: duplicate claim")
+
+    pods = []
+    for i, raw in enumerate(o.list("pods")):
+        pw = f"pods[{i}]"
+        po = _Obj(raw, pw)
+        ns = po.str("namespace", "default")
+        containers = []
+        for j, craw in enumerate(po.list("containers")):
+            cw = f"{pw}.containers[{j}]"
+            cobj = _Obj(craw, cw)
+            cl = tuple(cobj.list("claims"))
+            for k, cn in enumerate(cl):
+                if (ns, cn) not in claim_keys:
+                    raise ScenarioError(f"{cw}.claims[{k}]: no claim {cn!r} in namespace {ns!r}")
+            dp = []
+            for k, draw in enumerate(cobj.list("device_plugin")):
+                dobj = _Obj(draw, f"{cw}.device_plugin[{k}]")
+                dp.append((dobj.str("resource", "nvidia.com/gpu"), _device_ref(dobj.req("device"), f"{cw}.device_plugin[{k}].device", gpus)))
+                dobj.done()
+            containers.append(ContainerSpec(name=cobj.str("name"), claims=cl, device_plugin=tuple(dp), restartable_init=bool(cobj.get("restartable_init", False))))
+            cobj.done()
+        if not containers:
+            raise ScenarioError(f"{pw}.containers: at least one container is required")
+        labels = po.get("labels", {}) or {}
+        if not isinstance(labels, dict):
+            raise ScenarioError(f"{pw}.labels: expected a mapping")
+        end = po.get("end")
+        pods.append(
+            PodSpec(
+                namespace=ns,
+                name=po.str("name"),
+                containers=tuple(containers),
+                labels={str(k): str(v) for k, v in labels.items()},
+                start=parse_duration(po.get("start", 0), f"{pw}.start"),
+                end=None if end is None else parse_duration(end, f"{pw}.end"),
+            )
+        )
+        po.done()
+
+    faults = []
+    for i, raw in enumerate(o.list("faults")):
+        fw = f"faults[{i}]"
+        fo = _Obj(raw, fw)
+        kind = fo.str("kind")
+        if kind not in FAULT_KINDS:
+            raise ScenarioError(f"{fw}.kind: expected one of {', '.join(FAULT_KINDS)}, got {kind!r}")
+        gname = fo.str("gpu")
+        if gname not in gpus:
+            raise ScenarioError(f"{fw}.gpu: unknown GPU {gname!r}")
+        until = fo.get("until")
+        f = Fault(
+            kind=kind,
+            gpu=gname,
+            at=parse_duration(fo.req("at"), f"{fw}.at"),
+            until=None if until is None else parse_duration(until, f"{fw}.until"),
+            code=int(fo.num("code", 0)),
+            rate_per_minute=fo.num("rate_per_minute", 0.0),
+        )
+        if kind == "xid" and f.code <= 0:
+            raise ScenarioError(f"{fw}.code: an xid fault needs its XID number, e.g. code: 79")
+        if f.until is not None and f.until <= f.at:
+            raise ScenarioError(f"{fw}.until: must be after at")
+        faults.append(f)
+        fo.done()
+
+    sc = Scenario(
+        name=o.str("name", Path(source).stem),
+        description=o.str("description", ""),
+        node=node,
+        driver_version=o.str("driver_version", "580.95.05"),
+        gpus=tuple(gpu_list),
+        claims=tuple(claims),
+        pods=tuple(pods),
+        faults=tuple(sorted(faults, key=lambda f: f.at)),
+    )
+    o.done()
+    return sc
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ScenarioError(f"{p}: cannot read: {e.strerror or e}") from None
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ScenarioError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}".splitlines()[0]) from None
+    return parse_scenario(data, str(p.name))
+
+
+BUNDLED = Path(__file__).parent / "scenarios"
+
+
+def bundled_scenarios() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(BUNDLED.glob("*.yaml"))}
+
+
+def default_scenario() -> Scenario:
+    return load_scenario(BUNDLED / "mixed-node.yaml")
