@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -32,6 +33,8 @@ def stop_on_signals(done: threading.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # gRPC's C core logs reconnects to stderr by itself; our logs already say what matters.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parser = build_parser()
     ns = parser.parse_args(argv)
     if getattr(ns, "list_scenarios", False):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import queue
 import time
@@ -308,7 +309,7 @@ def test_a_call_hung_inside_the_batch_lock_does_not_block_other_devices(nvml) ->
 # ---- MIG --------------------------------------------------------------------------------------
 
 
-def mig_gpu(migs: list[FakeMig] | None = None, **kw: Any) -> FakeGpu:
+def mig_gpu(migs: list[FakeMig] | None = None, uuid: str = GPU0, **kw: Any) -> FakeGpu:
     if migs is None:
         migs = [
             FakeMig(MIG_A, gpu_instance_id=1, compute_instance_id=0, profile="1g.10gb", gi_profile_id=19,
@@ -316,7 +317,7 @@ def mig_gpu(migs: list[FakeMig] | None = None, **kw: Any) -> FakeGpu:
             FakeMig(MIG_B, gpu_instance_id=2, compute_instance_id=0, profile="3g.40gb", gi_profile_id=9,
                     slice_count=3, placement_start=4, placement_size=4, memory_total=40 * GiB, slot=2),
         ]  # fmt: skip
-    return busy_gpu(mig_mode=True, migs=migs, **kw)
+    return busy_gpu(uuid, mig_mode=True, migs=migs, **kw)
 
 
 def test_mig_devices_are_enumerated_next_to_their_parent(nvml) -> None:
@@ -571,6 +572,32 @@ def test_fixture_directory_has_a_fixture() -> None:
 @pytest.mark.parametrize("path", _fixture_files(), ids=lambda p: p.name)
 def test_fixture_replays_into_readings_in_base_units(path: Path) -> None:
     fixture = json.loads(path.read_text())
+    assert fixture["format"] == "dra-gpu-exporter/nvml-fixture/v1"
+    replay(fixture)
+
+
+def test_recorder_output_replays(tmp_path: Path) -> None:
+    """bench/record_nvml_fixture.py, run against the fake library, writes a fixture that the
+    replay reproduces: the recorder and the replay agree on the format."""
+    spec = importlib.util.spec_from_file_location("record_nvml_fixture", Path(__file__).parents[1] / "bench" / "record_nvml_fixture.py")
+    assert spec is not None and spec.loader is not None
+    recorder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recorder)
+    fake = FakeNvml([busy_gpu(gpm_supported=True, gpm=GPM_VALUES), mig_gpu(uuid=GPU1, pci_bus_id="00000000:AF:00.0", gpm_supported=True)])
+    out = tmp_path / "recorded.json"
+    with installed(fake):
+        assert recorder.main(["--out", str(out), "--cycles", "2", "--interval", "0", "--latency-calls", "3"]) == 0
+    fixture = json.loads(out.read_text())
+    assert fixture["source"].startswith("recorded on hardware") and fixture["cycles"] == 2
+    gpu0 = fixture["devices"][0]
+    assert gpu0["calls"]["nvmlDeviceGetSerial"][0]["value"] == "redacted-0"
+    assert set(gpu0["latency_us"]["nvmlDeviceGetPowerUsage"]) == {"n", "min", "median", "p99"}
+    assert "backend.read" in gpu0["latency_us"]
+    assert len(fixture["devices"][1]["mig_devices"]) == 2
+    replay(fixture)
+
+
+def replay(fixture: dict) -> None:
     fake = FakeNvml.from_fixture(fixture)
     with installed(fake):
         backend = NvmlBackend(event_wait_ms=50)

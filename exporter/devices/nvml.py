@@ -7,7 +7,7 @@ What it reads, per cycle and device (units normalised to the model's base units)
   reasons, running compute processes;
 * one batched ``nvmlDeviceGetFieldValues`` call for everything that has a field id: energy,
   average power, memory temperature, ECC volatile and aggregate totals, retired pages, remapped
-  rows, PCIe replays, GPU recovery action (ids in ``_FIELDS``). Each value carries its own
+  rows, PCIe replays, GPU recovery action (ids in ``FIELD_REQUESTS``). Each value carries its own
   ``nvmlReturn``; unsupported ids are dropped from later batches. Direct calls are used only
   when the batch call itself is missing (or its lock is stuck, see below), and for power and
   energy when their fields are unsupported: those fields are newer than the direct calls, so an
@@ -31,7 +31,6 @@ import ctypes
 import math
 import re
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -56,26 +55,33 @@ except Exception:  # pragma: no cover - exercised only without nvidia-ml-py
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["NvmlBackend", "FIELD_IDS", "GPM_METRICS"]
+__all__ = ["NvmlBackend", "FIELD_IDS", "FIELD_REQUESTS", "GPM_METRICS", "mig_profile_from_name", "mig_profile_from_size"]
 
 # ---- NVML constants (nvml.h ABI numbers; spelled out so older nvidia-ml-py releases work) ----
 
 _SUCCESS = 0
+_ERR_UNINITIALIZED = 1
 _ERR_INVALID_ARGUMENT = 2
 _ERR_NOT_SUPPORTED = 3
 _ERR_NO_PERMISSION = 4
 _ERR_NOT_FOUND = 6
+_ERR_DRIVER_NOT_LOADED = 9
 _ERR_FUNCTION_NOT_FOUND = 13
 _ERR_GPU_IS_LOST = 15
 _ERR_RESET_REQUIRED = 16
+_ERR_LIB_RM_VERSION_MISMATCH = 18
 _ERR_ARGUMENT_VERSION_MISMATCH = 25
+_ERR_GPU_NOT_FOUND = 28
 _ERR_UNKNOWN = 999
 
 # "This device cannot do that": remember and stop asking.
 _UNSUPPORTED = frozenset({_ERR_NOT_SUPPORTED, _ERR_FUNCTION_NOT_FOUND, _ERR_NO_PERMISSION, _ERR_ARGUMENT_VERSION_MISMATCH})
 # The device (or our handle to it) is unusable: fail the whole reading.
-_DEVICE_FATAL = frozenset({_ERR_GPU_IS_LOST, _ERR_UNKNOWN, _ERR_RESET_REQUIRED, _ERR_INVALID_ARGUMENT,
-                           1, 9, 18, 28})  # UNINITIALIZED, DRIVER_NOT_LOADED, LIB_RM_VERSION_MISMATCH, GPU_NOT_FOUND  # fmt: skip
+# INVALID_ARGUMENT on a handle we got from NVML means the handle died (MIG reconfiguration).
+_DEVICE_FATAL = frozenset({
+    _ERR_GPU_IS_LOST, _ERR_UNKNOWN, _ERR_RESET_REQUIRED, _ERR_INVALID_ARGUMENT, _ERR_UNINITIALIZED,
+    _ERR_DRIVER_NOT_LOADED, _ERR_LIB_RM_VERSION_MISMATCH, _ERR_GPU_NOT_FOUND,
+})  # fmt: skip
 
 _FI_ECC_SBE_VOL, _FI_ECC_DBE_VOL, _FI_ECC_SBE_AGG, _FI_ECC_DBE_AGG = 3, 4, 5, 6
 _FI_RETIRED_SBE, _FI_RETIRED_DBE, _FI_RETIRED_PENDING = 29, 30, 31
@@ -91,7 +97,7 @@ _POWER_SCOPE_GPU = 0
 _FI_RECOVERY_ACTION = 230
 
 #: (field id, scope id) requested in the one batched call per full GPU
-_FIELDS: tuple[tuple[int, int], ...] = tuple(
+FIELD_REQUESTS: tuple[tuple[int, int], ...] = tuple(
     (fid, _POWER_SCOPE_GPU if fid == _FI_POWER_AVERAGE else 0)
     for fid in (
         _FI_ENERGY, _FI_POWER_AVERAGE, _FI_MEMORY_TEMP,
@@ -101,7 +107,7 @@ _FIELDS: tuple[tuple[int, int], ...] = tuple(
         _FI_PCIE_REPLAY, _FI_RECOVERY_ACTION,
     )
 )  # fmt: skip
-FIELD_IDS: tuple[int, ...] = tuple(f for f, _ in _FIELDS)
+FIELD_IDS: tuple[int, ...] = tuple(f for f, _ in FIELD_REQUESTS)
 
 # GPM metric ids (percent 0..100) -> DeviceReading attribute (ratio 0..1)
 _GPM_SM_UTIL, _GPM_SM_OCCUPANCY, _GPM_ANY_TENSOR, _GPM_DRAM_BW = 2, 3, 5, 10
@@ -265,13 +271,22 @@ class NvmlBackend(DeviceBackend):
             # use-after-free in the C library.
             self._quiet(pynvml.nvmlEventSetFree, self._event_set)
             self._event_set = None
-        with self._lock:
-            samples = [s for d in self._devices.values() for s in d.gpm_samples] + self._retired_samples
-            self._retired_samples = []
-            for d in self._devices.values():
-                d.gpm_samples = []
-        for s in samples:
-            self._quiet(pynvml.nvmlGpmSampleFree, s)
+        # Every GPM call runs under _BATCH_LOCK, so holding it means no sample is in use. If a
+        # stuck call holds it, leak the samples rather than free memory the driver may touch.
+        if _BATCH_LOCK.acquire(timeout=self._lock_timeout_s):
+            try:
+                with self._lock:
+                    samples = [s for d in self._devices.values() for s in d.gpm_samples] + self._retired_samples
+                    self._retired_samples = []
+                    for d in self._devices.values():
+                        d.gpm_samples, d.gpm_prev = [], -1
+                for s in samples:
+                    self._quiet(pynvml.nvmlGpmSampleFree, s)
+            finally:
+                _BATCH_LOCK.release()
+        else:
+            log.warning("nvml_gpm_samples_not_freed", reason="a GPM or field-values call is still running")
+        self._stale = True
         if self._opened:
             self._opened = False
             self._quiet(pynvml.nvmlShutdown)
@@ -598,7 +613,7 @@ class NvmlBackend(DeviceBackend):
         lock is held by a stuck call), use the direct calls instead."""
         if "field_values" in dev.unsupported:
             return None
-        fields = [f for f in _FIELDS if f[0] not in dev.unsupported_fields]
+        fields = [f for f in FIELD_REQUESTS if f[0] not in dev.unsupported_fields]
         if not fields:
             return {}
         if not _BATCH_LOCK.acquire(timeout=self._lock_timeout_s):

@@ -137,6 +137,13 @@ def connect(kubeconfig: str | None) -> ApiClient | None:
     else:
         log.info("k8s.no_config", detail="no --kubeconfig, not in a cluster, no $KUBECONFIG")
         return None
+    # urllib3's default Retry silently re-sends on 429/503 with Retry-After, sleeping inside
+    # the request where stop() cannot interrupt it and hiding throttling from the callers'
+    # own backoff. Keep only quick reconnects; status handling is ours.
+    cfg.retries = urllib3.Retry(
+        total=3, connect=3, read=0, status=0, other=0, redirect=3,
+        raise_on_status=False, respect_retry_after_header=False,
+    )
     api = ApiClient(configuration=cfg)
     api.user_agent = "dra-gpu-exporter"
     log.info("k8s.connect", source=source, host=cfg.host)

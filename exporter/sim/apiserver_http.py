@@ -58,6 +58,9 @@ class ApiRequestHandler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
+        # Headers and body go out in separate writes; without NODELAY, Nagle holds the body
+        # until the client's delayed ACK (~40 ms per request). Go's net/http sets it too.
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _track(self.server.app, self.connection, True)
 
     def finish(self) -> None:

@@ -262,7 +262,7 @@ def _parse_gpu(i: int, raw: Any, node: str) -> GpuSpec:
     if not re.fullmatch(r"GPU-[0-9a-fA-F-]{8,}", uid):
         raise ScenarioError(f"{where}.uuid: expected GPU-<hex uuid>, got {uid!r}")
     memory = parse_bytes(o.get("memory", "80Gi"), f"{where}.memory")
-    pci = o.str("pci_bus_id", "0000:%02x:00.0" % (0x18 + 0x10 * i))
+    pci = o.str("pci_bus_id", "%04x:%02x:00.0" % (i // 200, 0x18 + i % 200))
     from ..devices.model import normalize_pci_bus_id
 
     pci_n = normalize_pci_bus_id(pci)

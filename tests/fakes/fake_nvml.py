@@ -400,11 +400,17 @@ class FakeNvml:
         self._objects: dict[int, Any] = {}
         self.gpus: list[_Device] = []
         self._gpm_seq = 0
+        self._lib = FakeNvmlLibrary(self)
         if gpus:
             for g in gpus:
                 self._add_gpu(g.calls(), [(m.slot if m.slot is not None else i, m.calls(g.name)) for i, m in enumerate(g.migs)])
         for d in raw_devices or []:
             self._add_gpu(d["calls"], [(m.get("slot", i), m["calls"]) for i, m in enumerate(d.get("mig_devices", []))])
+
+    @property
+    def lib(self) -> FakeNvmlLibrary:
+        """The object to assign to ``pynvml.nvmlLib`` (see :func:`installed`)."""
+        return self._lib
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -1047,7 +1053,6 @@ class FakeNvml:
         return SUCCESS
 
     def nvmlEventSetWait_v2(self, es: Any, ref: Any, timeout_ms: Any) -> int:
-        self._count("nvmlEventSetWait_v2:calls")
         addr = _addr(es)
         with self._cond:
             s = self._objects.get(addr)
@@ -1096,12 +1101,3 @@ def installed(fake: FakeNvml) -> Iterator[FakeNvml]:
             pynvml._nvmlGetFunctionPointer_cache.clear()
             pynvml._nvmlGetFunctionPointer_cache.update(cache)
 
-
-def _lib(self: FakeNvml) -> FakeNvmlLibrary:
-    lib = self.__dict__.get("_lib_obj")
-    if lib is None:
-        lib = self.__dict__["_lib_obj"] = FakeNvmlLibrary(self)
-    return lib
-
-
-FakeNvml.lib = property(_lib)  # type: ignore[attr-defined]
