@@ -209,7 +209,7 @@ def bench_nvml(reads: int = 300) -> None:
     made directly in a tight loop; "backend" is NvmlBackend.read(); overhead = backend/raw - 1.
     """
     try:
-        from fakes import fake_nvml  # type: ignore
+        from fakes.fake_nvml import FakeGpu, FakeNvml, installed  # type: ignore
     except Exception as e:  # pragma: no cover
         print(f"\nnvml: skipped ({e})")
         return
@@ -217,25 +217,20 @@ def bench_nvml(reads: int = 300) -> None:
 
     from exporter.devices.nvml import NvmlBackend
 
-    spec = fake_nvml.default_spec(8) if hasattr(fake_nvml, "default_spec") else None
-    if spec is None:
-        print("\nnvml: skipped (fake_nvml has no default_spec(n))")
-        return
-    with fake_nvml.installed(spec) as lib:
-        b = NvmlBackend()
+    fake = FakeNvml([FakeGpu(uuid=f"GPU-00000000-0000-0000-0000-{i:012d}", pci_bus_id=f"00000000:{0x18 + i:02X}:00.0", minor=i) for i in range(8)])
+    with installed(fake) as lib:
+        b = NvmlBackend(processes=False, gpm=False)
         b.open()
         devs = b.enumerate()
         for d in devs:
             b.read(d)  # warm caches (unsupported fields, handles)
-        calls_before = dict(lib.calls) if hasattr(lib, "calls") else {}
+        calls_before = dict(lib.counts)
         t0 = time.perf_counter()
         for _ in range(reads):
             for d in devs:
                 b.read(d)
         backend_s = (time.perf_counter() - t0) / (reads * len(devs))
-        per_read_calls = {}
-        if hasattr(lib, "calls"):
-            per_read_calls = {k: (v - calls_before.get(k, 0)) / (reads * len(devs)) for k, v in lib.calls.items() if v - calls_before.get(k, 0)}
+        per_read_calls = {k: (v - calls_before.get(k, 0)) / (reads * len(devs)) for k, v in lib.counts.items() if v - calls_before.get(k, 0)}
         # The raw path: the same C functions called through pynvml directly.
         handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(len([d for d in devs if not d.is_partition]))]
         fids = [pynvml.NVML_FI_DEV_ECC_SBE_VOL_TOTAL, pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL, pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, pynvml.NVML_FI_DEV_REMAPPED_COR, pynvml.NVML_FI_DEV_REMAPPED_UNC, pynvml.NVML_FI_DEV_REMAPPED_PENDING, pynvml.NVML_FI_DEV_REMAPPED_FAILURE, pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER, pynvml.NVML_FI_DEV_MEMORY_TEMP, pynvml.NVML_FI_DEV_RETIRED_SBE, pynvml.NVML_FI_DEV_RETIRED_DBE, pynvml.NVML_FI_DEV_RETIRED_PENDING]

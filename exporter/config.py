@@ -15,6 +15,7 @@ import socket
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, NoReturn
 
 from . import __version__
 
@@ -73,7 +74,7 @@ def _env(name: str) -> str | None:
 
 
 def parse_listen(value: str) -> tuple[str, int]:
-    m = re.fullmatch(r"(?:\[(?P<v6>[0-9a-fA-F:]+)\]|(?P<host>[^:\s]*)):(?P<port>\d{1,5})", value.strip())
+    m = re.fullmatch(r"(?:\[(?P<v6>[0-9a-fA-F:]+)\]|(?P<host>[^:\s\[\]]*)):(?P<port>\d{1,5})", value.strip())
     if not m:
         raise ConfigError(f"--listen {value!r}: expected HOST:PORT, e.g. 0.0.0.0:9402 or [::]:9402")
     host = m.group("v6") or m.group("host") or "0.0.0.0"
@@ -111,12 +112,22 @@ def check_kubelet_socket(path: str) -> str | None:
     stopping for.
     """
     p = Path(path)
+    if not path:
+        return "--kubelet-socket: empty path"
+    # sockaddr_un.sun_path holds 107 bytes plus a NUL: a longer path can never be connected to,
+    # so waiting for the kubelet to create it would wait forever.
+    if len(os.fsencode(os.path.abspath(path))) > 107:
+        return f"--kubelet-socket {path}: path too long for a unix socket (at most 107 bytes)"
     try:
         st = p.stat()
     except FileNotFoundError:
         return "missing"
     except PermissionError:
         return f"--kubelet-socket {path}: permission denied"
+    except NotADirectoryError:
+        return f"--kubelet-socket {path}: a parent of this path is not a directory"
+    except OSError as e:  # ELOOP, ENAMETOOLONG, ...: say what, never a traceback
+        return f"--kubelet-socket {path}: {e.strerror or e}"
     if not stat.S_ISSOCK(st.st_mode):
         return f"--kubelet-socket {path}: exists but is not a unix socket"
     if not os.access(path, os.R_OK | os.W_OK):
@@ -140,8 +151,16 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--taint-hold-seconds", metavar="S", help="healthy time before a rule steps down (default 1800)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (like every other configuration error), not
+    the whole usage text followed by the message."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="dra-gpu-exporter",
         description="GPU metrics attributed to DRA ResourceClaims, GPU health and DeviceTaintRule remediation. "
         f"Every flag can be set as an environment variable {ENV_PREFIX}<FLAG>.",
@@ -152,7 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kubelet-socket", metavar="PATH", help=f"PodResources socket (default {DEFAULT_KUBELET_SOCKET})")
     p.add_argument("--kubeconfig", metavar="PATH", help="kubeconfig (default: in-cluster, then KUBECONFIG; none: no Kubernetes API features)")
     sub = p.add_subparsers(dest="command")
-    d = sub.add_parser("demo", help="run the embedded simulated node (GPUs, kubelet, Kubernetes API)")
+    # SUPPRESS: a flag the subcommand does not see must not be reset to None by it, so
+    # "dra-gpu-exporter --interval 2 demo" keeps the 2 (argparse copies subparser defaults
+    # over the parent's values otherwise).
+    d = sub.add_parser(
+        "demo", help="run the embedded simulated node (GPUs, kubelet, Kubernetes API)", argument_default=argparse.SUPPRESS
+    )
     _add_common(d)
     d.add_argument("--scenario", metavar="FILE", help="scenario file (YAML or JSON); default: the built-in mixed node")
     d.add_argument("--time-scale", metavar="X", help="simulated seconds per real second (default 1)")
@@ -172,10 +196,29 @@ def _bool(flag: str, value: str) -> bool:
 
 def resolve(ns: argparse.Namespace) -> Config:
     """Merge flags over environment over defaults, and validate."""
+    from_env: set[str] = set()
 
     def pick(name: str) -> str | None:
         v = getattr(ns, name.replace("-", "_"), None)
-        return v if v is not None else _env(name)
+        if v is not None:
+            return v
+        v = _env(name)
+        if v is not None:
+            from_env.add(name)
+        return v
+
+    try:
+        return _resolve(ns, pick)
+    except ConfigError as e:
+        # A value from the environment is reported under its flag's name; say where it came
+        # from, or the user looks for a flag that is not on the command line.
+        m = re.match(r"--([a-z-]+)", str(e))
+        if m and m.group(1) in from_env:
+            raise ConfigError(f"{e} (from {ENV_PREFIX}{m.group(1).upper().replace('-', '_')})") from None
+        raise
+
+
+def _resolve(ns: argparse.Namespace, pick: Callable[[str], str | None]) -> Config:
 
     kw: dict = {}
     if (v := pick("listen")) is not None:

@@ -56,11 +56,13 @@ def wait_until(
     timeout: float,
     interval: float = 0.2,
     what: str = "condition",
+    fatal: tuple[type[BaseException], ...] = (),
 ) -> T:
     """Poll ``check`` until it returns a truthy value and return that value.
 
     Exceptions from ``check`` count as "not yet" (a server that is still starting refuses
-    connections); the last one is reported if the deadline passes.
+    connections) unless they are instances of ``fatal``, which propagate at once; the last
+    non-fatal one is reported if the deadline passes.
     """
     deadline = time.monotonic() + timeout
     last_error: BaseException | None = None
@@ -69,6 +71,8 @@ def wait_until(
             value = check()
             if value:
                 return value
+        except fatal:
+            raise
         except Exception as exc:  # noqa: BLE001 - polling: any failure means "not yet"
             last_error = exc
         if time.monotonic() >= deadline:
@@ -290,7 +294,7 @@ def start_prometheus(
             return http_get(f"{c.url}/-/ready", timeout=2)[0] == 200
 
         try:
-            wait_until(ready, startup_timeout, what="prometheus /-/ready")
+            wait_until(ready, startup_timeout, what="prometheus /-/ready", fatal=(PrometheusError,))
         except (TimeoutError, PrometheusError) as exc:
             last_error = f"{exc}; log: {candidate.log_tail()}"
             candidate.stop()

@@ -123,7 +123,10 @@ def test_cpx_partitions_share_parent_and_bus_id(amdsmi_module, cpx_reversed: boo
     assert len(parts) == 4
     parent = CPX + "%012x" % 0  # function 0 = partition 0, whatever the handle order
     assert {d.parent_uuid for d in parts} == {parent}
-    assert all(d.is_partition and d.mig_profile == "CPX" for d in parts)
+    assert all(d.mig_profile == "CPX" for d in parts)
+    # The first partition stands for the physical GPU (health, power); the others are partitions of it.
+    assert [d.uuid for d in parts if not d.is_partition] == [parent]
+    assert all(d.physical_uuid == parent for d in parts)
     # lspci / DRA show the physical GPU's function 0 for every partition
     assert {d.pci_bus_id for d in parts} == {"0000:83:00.0"}
     by = by_uuid(parts)

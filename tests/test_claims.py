@@ -78,6 +78,7 @@ def test_miss_then_hit_then_expiry():
         assert claim_gets(server, "train") == 1
         assert cache.get("ml", "train") == info
         assert claim_gets(server, "train") == 1, "a fresh entry is served from the cache"
+        assert (cache.stats.fetches, cache.stats.hits) == (1, 1)
         server.apply(claim_obj("train", device="gpu-2", uuid="GPU-2"))
         clock.advance(31.0)
         assert cache.get("ml", "train").devices[0].device == "gpu-2"
@@ -136,6 +137,7 @@ def test_outage_serves_stale_copies_and_pauses_fetching():
         cache.refresh([("ml", "a"), ("ml", "b")])
         assert cache.get("ml", "a") == good
         assert len(server.requests) == before + 1
+        assert cache.stats.stale_served == 1
         server.outage(False)
         server.apply(claim_obj("a", device="gpu-5"))
         clock.advance(20.0)

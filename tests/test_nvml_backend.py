@@ -17,7 +17,7 @@ from exporter.devices.base import BackendUnavailable
 from exporter.devices.deadline import CallHung, DeadlineRunner
 from exporter.devices.model import DeviceEvent, DeviceIdentity, EventKind, ReadError, RecoveryAction, Vendor
 from exporter.devices.nvml import FIELD_IDS, NvmlBackend, mig_profile_from_name, mig_profile_from_size
-from tests.fakes.fake_nvml import (
+from fakes.fake_nvml import (
     DRIVER_NOT_LOADED,
     GPU_IS_LOST,
     NOT_SUPPORTED,

@@ -141,6 +141,9 @@ def test_parse_mig_name_schemes():
 def test_uuid_not_on_this_node():
     r = run(NV, "gpu-9", sdev(NV, "gpu-9", type="gpu", uuid="GPU-ffff"))
     assert r == Resolution(uuid="GPU-ffff", method="uuid-not-local", ok=False)
+    # the name would match local minor 0, but the slice said which GPU it means
+    r = run(NV, "gpu-0", sdev(NV, "gpu-0", type="gpu", uuid="GPU-ffff"))
+    assert r == Resolution(uuid="GPU-ffff", method="uuid-not-local", ok=False)
 
 
 # --------------------------------------------------------------------------- AMD

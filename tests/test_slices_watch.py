@@ -440,3 +440,23 @@ def test_discovery_cache_and_refresh():
         disco.refresh()
         assert disco.version_for("resource.k8s.io", "devicetaintrules") == "v1alpha3"
         assert len(server.requests) > before
+
+
+def test_a_failing_on_change_callback_does_not_stop_the_watcher():
+    calls = []
+
+    def explode():
+        calls.append(1)
+        raise RuntimeError("consumer bug")
+
+    with running_apiserver("1.34", bookmark_interval=3600) as server:
+        w = SliceWatcher(client_for(server), "node-a", on_change=explode, backoff_initial=0.02, backoff_max=0.1)
+        w.start()
+        try:
+            wait_until(lambda: w.synced)
+            server.apply(slice_obj("a-0"))
+            server.apply(slice_obj("a-1", devices=("gpu-1",)))
+            wait_until(lambda: names(w) == {"gpu-0", "gpu-1"})
+            assert len(calls) == 3 and w.stats.errors == 0
+        finally:
+            w.stop()

@@ -143,6 +143,10 @@ _NO_INSTANCE = 0xFFFFFFFF
 # back to the (thread-safe) direct calls, or skips GPM, for that cycle instead of blocking.
 _BATCH_LOCK = threading.Lock()
 
+# pynvml raises this (not an NVMLError) from unversioned wrappers such as
+# nvmlDeviceGetComputeRunningProcesses when the driver lacks the versioned symbol.
+_LIBRARY_MISMATCH: Any = getattr(pynvml, "NVMLLibraryMismatchError", ()) if pynvml is not None else ()
+
 _MIG_NAME_PROFILE = re.compile(r"\bMIG\s+(\S+)\s*$")
 
 
@@ -167,6 +171,7 @@ class _Device:
     unsupported_fields: set[int] = field(default_factory=set)
     gpm_samples: list[Any] = field(default_factory=list)  # two rotating samples
     gpm_prev: int = -1  # index of the sample holding the previous cycle, -1 = none yet
+    failing: str = ""  # last failure, so a lost GPU is logged once and not every cycle
 
     @property
     def is_mig(self) -> bool:
@@ -488,7 +493,7 @@ class NvmlBackend(DeviceBackend):
         if dev is None:
             return DeviceReading.failed(device.uuid, ReadError.GONE, "device not present in the last enumeration")
         try:
-            return self._read(dev)
+            reading = self._read(dev)
         except _CallFailed as exc:
             return self._failed(dev, exc.code, str(exc))
         except pynvml.NVMLError as exc:  # a call outside _call (defensive)
@@ -496,6 +501,10 @@ class NvmlBackend(DeviceBackend):
         except Exception as exc:  # noqa: BLE001 - one device's surprise must not escape
             log.exception("nvml_read_crashed", uuid=device.uuid)
             return DeviceReading.failed(device.uuid, ReadError.ERROR, f"{type(exc).__name__}: {exc}")
+        if dev.failing:
+            log.info("nvml_read_recovered", uuid=device.uuid, after=dev.failing)
+            dev.failing = ""
+        return reading
 
     def _failed(self, dev: _Device, code: int, detail: str) -> DeviceReading:
         uuid = dev.identity.uuid
@@ -508,7 +517,9 @@ class NvmlBackend(DeviceBackend):
         if code == _ERR_INVALID_ARGUMENT and dev.is_mig:
             # MIG handles die with a reconfiguration we may not have been told about.
             self._stale = True
-        log.warning("nvml_read_failed", uuid=uuid, error=error.value, detail=detail)
+        if dev.failing != detail:
+            log.warning("nvml_read_failed", uuid=uuid, error=error.value, detail=detail)
+            dev.failing = detail
         return DeviceReading.failed(uuid, error, detail)
 
     def _call(self, dev: _Device, key: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -528,7 +539,7 @@ class NvmlBackend(DeviceBackend):
                 raise _CallFailed(code, key, str(exc)) from exc
             log.debug("nvml_call_transient_error", uuid=dev.identity.uuid, call=key, error=str(exc))
             return None
-        except pynvml.NVMLLibraryMismatchError as exc:  # unversioned wrapper, symbol missing
+        except _LIBRARY_MISMATCH as exc:  # unversioned wrapper whose C symbol is missing
             dev.unsupported.add(key)
             log.info("nvml_call_unsupported", uuid=dev.identity.uuid, call=key, error=str(exc))
             return None

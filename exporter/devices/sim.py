@@ -121,8 +121,7 @@ class SimBackend(DeviceBackend):
             return DeviceReading.failed(device.uuid, ReadError.LOST, "GPU has fallen off the bus (simulated)")
 
         r = DeviceReading(uuid=device.uuid, timestamp=self.clock.epoch(t))
-        ecc = active.get("ecc_uncorrectable")
-        r.ecc_uncorrectable_total = int(ecc.rate_per_minute * (t - ecc.at) / 60.0) if ecc else 0
+        r.ecc_uncorrectable_total = self._ecc_uncorrectable(g.name, t)
         r.ecc_correctable_total = int(t // 600)  # a slow trickle, as on real HBM
         if mig is not None:
             util = mig.utilization.at(t)
@@ -195,6 +194,24 @@ class SimBackend(DeviceBackend):
                 continue
             out[f.kind] = f
         return out
+
+    def _ecc_uncorrectable(self, gpu: str, t: float) -> int:
+        """Uncorrectable ECC errors since the GPU's last reset.
+
+        Each ``ecc_uncorrectable`` fault adds ``rate_per_minute`` for every minute it is active;
+        at its ``until`` the errors stop but the count stays (an error counter never goes
+        back), and only a reset zeroes it, as a reset clears NVML's volatile counters.
+        """
+        total = 0.0
+        for f in self.scenario.faults:  # sorted by time
+            if f.gpu != gpu or f.at > t:
+                continue
+            if f.kind == "reset":
+                total = 0.0
+            elif f.kind == "ecc_uncorrectable":
+                end = t if f.until is None else min(t, f.until)
+                total += f.rate_per_minute * (end - f.at) / 60.0
+        return int(total)
 
     def _integrate_energy(self, uuid: str, t: float, watts: float) -> float:
         e = self._energy.setdefault(uuid, _Energy(t=t))

@@ -63,6 +63,7 @@ class _DeviceState:
     history: dict[str, deque] = field(default_factory=lambda: defaultdict(deque))  # reason -> times
     last_ecc_unc: int | None = None
     last_ok: bool | None = None
+    last_error: ReadError | None = None  # why the previous reading failed
     was_healthy: bool = True
     failures: deque = field(default_factory=deque)  # times the device went unhealthy
     sticky: bool = False
@@ -161,8 +162,10 @@ class HealthEngine:
             elif r.error == ReadError.UNKNOWN:
                 levels["driver_error"] = (Tier.DEGRADED, r.error_detail or "driver returned an unknown error")
         else:
-            if st.last_ok is False:
-                # The device answers again after failing: a reset, reload or re-seat happened.
+            if st.last_ok is False and st.last_error in (ReadError.LOST, ReadError.GONE):
+                # A lost device answers again: only a reset, reload or re-seat brings it back.
+                # A hung or erroring call that returns later is no such evidence: it must not
+                # release a fatal condition that waits for a reset.
                 self._observe_reset(st, now)
             tier = _recovery_tier(int(r.recovery_action)) if r.recovery_action is not None else None
             if tier is not None:
@@ -179,14 +182,19 @@ class HealthEngine:
                     self._event_condition(st, uuid, "ecc_uncorrectable_growth", self.policy.ecc_growth_tier, now, f"uncorrectable ECC errors grew by {grew} to {r.ecc_uncorrectable_total}")
                 st.last_ecc_unc = r.ecc_uncorrectable_total
         st.last_ok = r.ok
+        st.last_error = r.error if not r.ok else None
 
         for reason, (tier, evidence) in levels.items():
             old = st.levels.get(reason)
-            st.levels[reason] = (
-                replace(old, tier=tier, last_seen=now, evidence=evidence, count=old.count + 1)
-                if old
-                else Condition(uuid=uuid, tier=tier, reason=reason, since=now, last_seen=now, evidence=evidence)
-            )
+            if old is None:
+                st.levels[reason] = Condition(uuid=uuid, tier=tier, reason=reason, since=now, last_seen=now, evidence=evidence)
+            elif reason in st.level_clean_since:
+                # Back during the hold: a new occurrence, i.e. new evidence.
+                st.levels[reason] = replace(old, tier=tier, last_seen=now, evidence=evidence, count=old.count + 1)
+            else:
+                # Still there: the same occurrence. last_seen stays at its start so that "new
+                # evidence since an admin removed the rule" means a new occurrence, not one more poll.
+                st.levels[reason] = replace(old, tier=tier, evidence=evidence)
             st.level_clean_since.pop(reason, None)
         for reason in list(st.levels):
             if reason in levels:

@@ -99,7 +99,13 @@ class ClaimCache:
         key = (namespace, name)
         if self._needs_fetch(key, self._clock()):
             self._fetch_many([key])
+        else:
+            with self._lock:
+                self._stats.hits += 1
         entry = self.entry(namespace, name)
+        if entry is not None and entry.stale:
+            with self._lock:
+                self._stats.stale_served += 1
         return entry.info if entry else None
 
     def refresh(self, keys: Iterable[ClaimKey]) -> None:
@@ -112,12 +118,7 @@ class ClaimCache:
     def entry(self, namespace: str, name: str) -> ClaimEntry | None:
         """The cached entry without any I/O (``stale`` tells whether it is a last good copy)."""
         with self._lock:
-            entry = self._entries.get((namespace, name))
-            if entry is not None:
-                self._stats.hits += 1
-                if entry.stale:
-                    self._stats.stale_served += 1
-            return entry
+            return self._entries.get((namespace, name))
 
     def cached(self) -> dict[ClaimKey, ClaimInfo]:
         """All claims currently known to exist, without I/O."""

@@ -384,4 +384,5 @@ def _parse_pod(obj: Any) -> PodInfo:
         node_name=node_name,
         phase=phase,
         claims=tuple(claims),
+        labels={str(k): str(v) for k, v in _dict(meta.get("labels"), f"{where}: metadata.labels", required=False).items()},
     )

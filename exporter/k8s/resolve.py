@@ -301,9 +301,12 @@ def resolve(
         res = _resolve_claim_data(allocated, index)
         if res is not None:
             return res
-    res = _resolve_name(driver, name, index)
-    if res is not None:
-        return res
+    if not_local is None:
+        # Name heuristics only when the slice named no device of its own: a slice that says
+        # "uuid X" about gpu-0 must not be pinned on whatever local GPU has minor 0.
+        res = _resolve_name(driver, name, index)
+        if res is not None:
+            return res
     return not_local or UNRESOLVED
 
 

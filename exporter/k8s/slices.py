@@ -28,7 +28,6 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
-from urllib.parse import quote
 
 import structlog
 
@@ -423,7 +422,3 @@ class SliceWatcher:
         except Exception:
             log.exception("k8s.slices.on_change_failed", node=self.node_name)
 
-
-def slice_path(version: str, name: str) -> str:
-    """URL of one ResourceSlice (used by callers that read a single slice)."""
-    return f"/apis/{RESOURCE_GROUP}/{version}/{RESOURCE}/{quote(name, safe='')}"

@@ -122,8 +122,12 @@ def handle(app: FakeApiServer, h: ApiRequestHandler, method: str) -> None:
     path = parts.path.rstrip("/") or "/"
     query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
     raw = b""
-    length = h.headers.get("Content-Length")
-    if length:
+    length = h.headers.get("Content-Length") or "0"
+    if not length.isdigit():
+        h.send_error(400, "bad Content-Length")
+        h.close_connection = True
+        return
+    if int(length):
         raw = h.rfile.read(int(length))
     is_watch = method == "GET" and (query.get("watch") in _TRUE or "/watch/" in path)
     rec = app.faults.record(RequestRecord(method, path, query, _parse_body(raw), is_watch))

@@ -87,6 +87,7 @@ class GpuSpec:
         return f"gpu-{self.minor}-mig-{prof}-{m.gi_profile_id}-{m.placement_start}"
 
 
+_RECOVERY_ACTIONS = (1, 2, 3, 4, 5)  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION values other than none
 FAULT_KINDS = ("xid", "lost", "ecc_uncorrectable", "hang", "reset", "recovery_action", "row_remap_failure", "row_remap_pending")
 
 
@@ -153,6 +154,8 @@ def parse_bytes(v: Any, where: str) -> int:
     if isinstance(v, bool):
         raise ScenarioError(f"{where}: expected a size like 80Gi, got {v!r}")
     if isinstance(v, (int, float)):
+        if not (0 <= v < math.inf):
+            raise ScenarioError(f"{where}: must be a size >= 0, got {v!r}")
         return int(v)
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?|[kmgt]i?)?[Bb]?\s*", str(v))
     if not m:
@@ -164,8 +167,8 @@ def parse_duration(v: Any, where: str) -> float:
     if isinstance(v, bool):
         raise ScenarioError(f"{where}: expected a duration like 90s or 5m, got {v!r}")
     if isinstance(v, (int, float)):
-        if v < 0:
-            raise ScenarioError(f"{where}: must not be negative")
+        if not (0 <= v < math.inf):  # also rejects NaN
+            raise ScenarioError(f"{where}: must be a duration >= 0, got {v!r}")
         return float(v)
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*", str(v))
     if not m:
@@ -204,6 +207,18 @@ class _Obj:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ScenarioError(f"{self.where}.{key}: expected a number, got {v!r}")
         return float(v)
+
+    def int(self, key: str, default: int) -> int:
+        v = self.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ScenarioError(f"{self.where}.{key}: expected a whole number >= 0, got {v!r}")
+        return v
+
+    def bool(self, key: str, default: bool) -> bool:
+        v = self.get(key, default)
+        if not isinstance(v, bool):
+            raise ScenarioError(f"{self.where}.{key}: expected true or false, got {v!r}")
+        return v
 
     def list(self, key: str) -> list:
         v = self.get(key, [])
@@ -257,7 +272,7 @@ def _parse_gpu(i: int, raw: Any, node: str) -> GpuSpec:
     where = f"gpus[{i}]"
     o = _Obj(raw, where)
     name = o.str("name", f"gpu{i}")
-    minor = int(o.num("minor", i))
+    minor = o.int("minor", i)
     uid = o.str("uuid", _stable_uuid("GPU", node, name))
     if not re.fullmatch(r"GPU-[0-9a-fA-F-]{8,}", uid):
         raise ScenarioError(f"{where}.uuid: expected GPU-<hex uuid>, got {uid!r}")
@@ -276,18 +291,21 @@ def _parse_gpu(i: int, raw: Any, node: str) -> GpuSpec:
         mo = _Obj(mraw, mw)
         profile = mo.str("profile")
         known = _MIG_PROFILES.get(profile)
-        gi = int(mo.num("gi_profile_id", known[0] if known else -1))
-        if gi < 0:
+        if known is None and "gi_profile_id" not in mo.d:
             raise ScenarioError(f"{mw}.gi_profile_id: required for profile {profile!r} (known: {', '.join(_MIG_PROFILES)})")
-        start = int(mo.num("placement_start", j))
+        gi = mo.int("gi_profile_id", known[0] if known else 0)
+        start = mo.int("placement_start", j)
         mmem = parse_bytes(mo.get("memory", f"{known[1]}Gi" if known else "10Gi"), f"{mw}.memory")
+        muid = mo.str("uuid", _stable_uuid("MIG", node, name, profile, str(start)))
+        if not re.fullmatch(r"MIG-[0-9a-fA-F-]{8,}", muid):
+            raise ScenarioError(f"{mw}.uuid: expected MIG-<hex uuid>, got {muid!r}")
         migs.append(
             MigSpec(
                 profile=profile,
                 gi_profile_id=gi,
                 placement_start=start,
                 memory_bytes=mmem,
-                uuid=mo.str("uuid", _stable_uuid("MIG", node, name, profile, str(start))),
+                uuid=muid,
                 utilization=_curve(mo.get("utilization"), f"{mw}.utilization", Curve()),
                 memory_used=_curve(mo.get("memory_used"), f"{mw}.memory_used", Curve()),
             )
@@ -348,6 +366,9 @@ def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
         vals = [getattr(g, attr) for g in gpu_list]
         if len(set(vals)) != len(vals):
             raise ScenarioError(f"{source}.gpus: duplicate {attr}")
+    all_uuids = [g.uuid for g in gpu_list] + [m.uuid for g in gpu_list for m in g.mig]
+    if len(set(all_uuids)) != len(all_uuids):
+        raise ScenarioError(f"{source}.gpus: duplicate MIG uuid")
 
     claims = []
     for i, raw in enumerate(o.list("claims")):
@@ -379,10 +400,13 @@ def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
                 dobj = _Obj(draw, f"{cw}.device_plugin[{k}]")
                 dp.append((dobj.str("resource", "nvidia.com/gpu"), _device_ref(dobj.req("device"), f"{cw}.device_plugin[{k}].device", gpus)))
                 dobj.done()
-            containers.append(ContainerSpec(name=cobj.str("name"), claims=cl, device_plugin=tuple(dp), restartable_init=bool(cobj.get("restartable_init", False))))
+            containers.append(ContainerSpec(name=cobj.str("name"), claims=cl, device_plugin=tuple(dp), restartable_init=cobj.bool("restartable_init", False)))
             cobj.done()
         if not containers:
             raise ScenarioError(f"{pw}.containers: at least one container is required")
+        cnames = [c.name for c in containers]
+        if len(set(cnames)) != len(cnames):
+            raise ScenarioError(f"{pw}.containers: duplicate container name")
         labels = po.get("labels", {}) or {}
         if not isinstance(labels, dict):
             raise ScenarioError(f"{pw}.labels: expected a mapping")
@@ -398,6 +422,11 @@ def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
             )
         )
         po.done()
+        p = pods[-1]
+        if p.end is not None and p.end <= p.start:
+            raise ScenarioError(f"{pw}.end: must be after start")
+        if sum(1 for q in pods if (q.namespace, q.name) == (p.namespace, p.name)) > 1:
+            raise ScenarioError(f"{pw}.name: duplicate pod {p.namespace}/{p.name}")
 
     faults = []
     for i, raw in enumerate(o.list("faults")):
@@ -420,6 +449,16 @@ def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
         )
         if kind == "xid" and f.code <= 0:
             raise ScenarioError(f"{fw}.code: an xid fault needs its XID number, e.g. code: 79")
+        if kind == "recovery_action" and f.code not in _RECOVERY_ACTIONS:
+            raise ScenarioError(f"{fw}.code: a recovery_action fault needs a value 1..5 (1 GPU reset, 2 node reboot, 3 drain P2P, 4 drain and reset, 5 recover IMEX domain), got {f.code}")
+        if "code" in fo.d and kind not in ("xid", "recovery_action"):
+            raise ScenarioError(f"{fw}.code: only xid and recovery_action faults take a code")
+        if "rate_per_minute" in fo.d and kind != "ecc_uncorrectable":
+            raise ScenarioError(f"{fw}.rate_per_minute: only ecc_uncorrectable faults take a rate")
+        if f.rate_per_minute < 0:
+            raise ScenarioError(f"{fw}.rate_per_minute: must not be negative")
+        if f.until is not None and kind in ("xid", "reset"):
+            raise ScenarioError(f"{fw}.until: an {kind} fault is an instant; it takes no until")
         if f.until is not None and f.until <= f.at:
             raise ScenarioError(f"{fw}.until: must be after at")
         faults.append(f)

@@ -1,0 +1,307 @@
+"""Remediation decisions as plain data: exported names, rule bodies and every safety rule of
+:func:`exporter.remediation.plan.decide`, plus properties checked over generated inputs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from exporter.config import TaintMode
+from exporter.health.model import Condition, DeviceHealth, Tier
+from exporter.k8s.taintrules import TaintRuleClient
+from exporter.remediation import names
+from exporter.remediation.plan import EFFECT_RANK, OwnedRule, Safety, Target, decide, wanted
+
+NOW = 1_750_000_000.0
+HOLD = 600.0
+UUID = "GPU-11111111-2222-3333-4444-555555555555"
+T = Target(driver="gpu.nvidia.com", pool="node-a", device="gpu-3", uuid=UUID)
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+def health(*tiers: Tier, last_seen: float = NOW, since: float = NOW - 5) -> DeviceHealth:
+    conds = tuple(
+        Condition(uuid=UUID, tier=t, reason=f"r_{t.value}", since=since, last_seen=last_seen, evidence=f"evidence {t.value}") for t in tiers
+    )
+    return DeviceHealth(uuid=UUID, conditions=conds)
+
+
+HEALTHY = DeviceHealth(uuid=UUID)
+
+
+def rule(effect: str, tier: str = "fatal", uuid: str = UUID, managed: bool = True, calm_since: float | None = None) -> OwnedRule:
+    return OwnedRule(name="r", driver=T.driver, pool=T.pool, device=T.device, uuid=uuid, effect=effect, tier=tier, managed=managed, calm_since=calm_since)
+
+
+def d(h: DeviceHealth, r: OwnedRule | None = None, mode: TaintMode = TaintMode.ENFORCE, now: float = NOW, admin_deleted_at: float | None = None, **safety):
+    return decide(T, h, r, mode, Safety(**safety), HOLD, now, admin_deleted_at)
+
+
+# ------------------------------------------------------------------------------ names and bodies
+
+
+def test_rule_names_are_deterministic_valid_and_distinct():
+    a = names.rule_name("node-a", "gpu.nvidia.com", "node-a", "gpu-3")
+    assert a == names.rule_name("node-a", "gpu.nvidia.com", "node-a", "gpu-3")
+    assert a.startswith(names.NAME_PREFIX) and DNS_SUBDOMAIN.match(a)
+    assert a != names.rule_name("node-a", "gpu.nvidia.com", "node-a", "gpu-4")
+    assert a != names.rule_name("node-a", "gpu.amd.com", "node-a", "gpu-3")  # same name, other driver
+    long_node = "n" * 240 + ".example.com"
+    x = names.rule_name(long_node, "gpu.nvidia.com", long_node, "gpu-1-mig-1g10gb-19-0")
+    y = names.rule_name(long_node, "gpu.nvidia.com", long_node, "gpu-1-mig-1g10gb-19-1")
+    assert len(x) <= 253 and DNS_SUBDOMAIN.match(x) and x != y  # truncated, still unique
+    assert DNS_SUBDOMAIN.match(names.rule_name("Node_A", "d", "p", "GPU 0")), "upper case and odd characters are squeezed"
+
+
+@given(st.text(min_size=0, max_size=300))
+def test_label_value_is_always_a_valid_label_value(s):
+    v = names.label_value(s)
+    assert len(v) <= 63 and LABEL_VALUE.match(v)
+
+
+def test_taint_key_is_in_our_domain():
+    for tier in Tier:
+        key = f"{names.TAINT_DOMAIN}/{tier.value}"
+        assert key.split("/")[0].endswith(names.DOMAIN) and "kubernetes.io" not in key and "nvidia.com" not in key
+
+
+class _Served:  # TaintRuleClient.body only needs the served version, found by discovery
+    def __init__(self) -> None:
+        self.c = TaintRuleClient(client=None)
+        from exporter.k8s.taintrules import ServedTaintRules
+
+        self.c._served = ServedTaintRules(version="v1", supports_none=True)
+
+
+def test_body_selects_exactly_one_device():
+    c = _Served().c
+    b = c.body("n", "gpu.nvidia.com", "node-a", "gpu-3", f"{names.TAINT_DOMAIN}/fatal", "xid_79", "NoExecute", {"l": "v"}, {"a": "v"})
+    assert b["apiVersion"] == "resource.k8s.io/v1" and b["kind"] == "DeviceTaintRule"
+    assert b["spec"]["deviceSelector"] == {"driver": "gpu.nvidia.com", "pool": "node-a", "device": "gpu-3"}
+    assert b["spec"]["taint"] == {"key": f"{names.TAINT_DOMAIN}/fatal", "value": "xid_79", "effect": "NoExecute"}
+
+
+@pytest.mark.parametrize("driver,pool,device", [("", "p", "d"), ("d", "", "d"), ("d", "p", ""), ("", "", "")])
+def test_body_refuses_a_selector_that_is_not_exactly_one_device(driver, pool, device):
+    # An empty selector matches every device in the cluster (kubernetes#141422).
+    with pytest.raises(ValueError):
+        _Served().c.body("n", driver, pool, device, "k/x", "v", "NoExecute", {}, {})
+
+
+# ------------------------------------------------------------------------------ effect by tier and mode
+
+
+@pytest.mark.parametrize("tier,effect", [(Tier.FATAL, "NoExecute"), (Tier.DEGRADED, "NoSchedule"), (Tier.INFORMATIONAL, "None")])
+def test_enforce_effect_by_tier(tier, effect):
+    dec = d(health(tier))
+    assert (dec.action, dec.effect, dec.tier, dec.reason, dec.suppressed) == ("create", effect, tier.value, f"r_{tier.value}", "")
+    assert dec.evidence == f"evidence {tier.value}"
+
+
+def test_the_worst_condition_decides():
+    dec = d(health(Tier.INFORMATIONAL, Tier.FATAL, Tier.DEGRADED))
+    assert (dec.effect, dec.tier, dec.reason) == ("NoExecute", "fatal", "r_fatal")
+
+
+def test_informational_without_none_support_writes_nothing():
+    assert d(health(Tier.INFORMATIONAL), supports_none=False).action == "nothing"
+
+
+@pytest.mark.parametrize("tier", list(Tier))
+def test_shadow_writes_effect_none_for_every_tier(tier):
+    dec = d(health(tier), mode=TaintMode.SHADOW)
+    assert (dec.action, dec.effect, dec.tier) == ("create", "None", tier.value)
+
+
+def test_shadow_without_none_support_writes_nothing():
+    assert d(health(Tier.FATAL), mode=TaintMode.SHADOW, supports_none=False).action == "nothing"
+
+
+def test_dry_run_decides_like_enforce_and_off_decides_nothing():
+    assert d(health(Tier.FATAL), mode=TaintMode.DRY_RUN) == d(health(Tier.FATAL))
+    assert d(health(Tier.FATAL), mode=TaintMode.OFF).action == "nothing"
+    assert wanted(health(Tier.FATAL), TaintMode.OFF, True) == (None, Tier.FATAL)
+
+
+def test_healthy_device_without_rule_needs_nothing():
+    assert d(HEALTHY).action == "nothing"
+
+
+# ------------------------------------------------------------------------------ safety
+
+
+def test_node_wide_fault_gives_noschedule_only():
+    dec = d(health(Tier.FATAL), node_fault=True)
+    assert (dec.action, dec.effect, dec.suppressed) == ("create", "NoSchedule", "node_fault")
+
+
+def test_rate_limit_gives_noschedule_until_the_window_allows():
+    dec = d(health(Tier.FATAL), rate_ok=False)
+    assert (dec.action, dec.effect, dec.suppressed) == ("create", "NoSchedule", "rate_limit")
+    later = d(health(Tier.FATAL), rule("NoSchedule"), rate_ok=True)
+    assert (later.action, later.effect) == ("update", "NoExecute")
+
+
+def test_budget_exhausted_gives_effect_none_or_noschedule_without_none():
+    dec = d(health(Tier.FATAL), budget_ok=False)
+    assert (dec.action, dec.effect, dec.suppressed) == ("create", "None", "budget")
+    dec = d(health(Tier.FATAL), budget_ok=False, supports_none=False)
+    assert (dec.action, dec.effect, dec.suppressed) == ("create", "NoSchedule", "budget")
+
+
+def test_limits_do_not_touch_lower_effects():
+    for kw in ({"node_fault": True}, {"rate_ok": False}, {"budget_ok": False}):
+        assert d(health(Tier.DEGRADED), **kw).effect == "NoSchedule"
+        assert d(health(Tier.DEGRADED), **kw).suppressed == ""
+
+
+def test_a_rule_that_already_has_noexecute_keeps_it_under_limits():
+    dec = d(health(Tier.FATAL), rule("NoExecute"), budget_ok=False, rate_ok=False, node_fault=True)
+    assert dec.action == "keep" and dec.suppressed == ""
+
+
+def test_budget_suppressed_rule_stays_none_while_the_budget_is_used_up():
+    dec = d(health(Tier.FATAL), rule("None"), budget_ok=False)
+    assert (dec.action, dec.suppressed) == ("keep", "budget")
+
+
+def test_kill_switch_stops_create_raise_and_step_down():
+    assert d(health(Tier.FATAL), kill_switch=True).action == "nothing"
+    assert d(health(Tier.FATAL), kill_switch=True).suppressed == "kill_switch"
+    assert (d(health(Tier.FATAL), rule("NoSchedule", "degraded"), kill_switch=True).action) == "keep"
+    calm = d(HEALTHY, rule("NoExecute", calm_since=NOW - HOLD), kill_switch=True)
+    assert (calm.action, calm.suppressed) == ("keep", "kill_switch")
+
+
+def test_kill_switch_stops_the_hardware_swap_delete_too():
+    """Regression: the swap delete bypassed the node's kill switch ("stops every write")."""
+    dec = d(HEALTHY, rule("NoExecute", uuid="GPU-00000000-0000-0000-0000-000000000000"), kill_switch=True)
+    assert dec.action == "keep" and dec.suppressed == "kill_switch"
+
+
+def test_unmanaged_rule_is_never_touched():
+    for h in (HEALTHY, health(Tier.FATAL)):
+        for r in (rule("NoSchedule", managed=False, calm_since=NOW - 10 * HOLD), rule("None", managed=False, uuid="GPU-other")):
+            dec = d(h, r)
+            assert (dec.action, dec.suppressed) == ("nothing", "unmanaged")
+
+
+def test_hardware_swap_deletes_the_rule():
+    dec = d(health(Tier.FATAL), rule("NoExecute", uuid="GPU-00000000-0000-0000-0000-000000000000"))
+    assert (dec.action, dec.why) == ("delete", "hardware_swap")
+
+
+def test_admin_deleted_rule_is_not_recreated_without_new_evidence():
+    dec = d(health(Tier.FATAL, last_seen=NOW - 10), admin_deleted_at=NOW - 5)
+    assert (dec.action, dec.suppressed) == ("nothing", "admin_deleted")
+    dec = d(health(Tier.FATAL, last_seen=NOW), admin_deleted_at=NOW - 5)
+    assert (dec.action, dec.effect) == ("create", "NoExecute")
+
+
+# ------------------------------------------------------------------------------ escalation and step-down
+
+
+def test_escalation_updates_the_rule():
+    dec = d(health(Tier.FATAL), rule("NoSchedule", "degraded"))
+    assert (dec.action, dec.effect, dec.tier) == ("update", "NoExecute", "fatal")
+    dec = d(health(Tier.DEGRADED), rule("None", "informational"))
+    assert (dec.action, dec.effect, dec.tier) == ("update", "NoSchedule", "degraded")
+
+
+def test_same_effect_other_tier_updates_the_tier_in_shadow():
+    dec = d(health(Tier.FATAL), rule("None", "informational"), mode=TaintMode.SHADOW)
+    assert (dec.action, dec.effect, dec.tier) == ("update", "None", "fatal")
+
+
+def test_recovery_steps_down_one_level_per_hold_then_deletes():
+    r = rule("NoExecute")
+    first = d(HEALTHY, r)
+    assert first.action == "keep" and first.calm_since == NOW  # the hold starts now
+    r.calm_since = first.calm_since
+    assert d(HEALTHY, r, now=NOW + HOLD - 1).action == "keep"
+    down = d(HEALTHY, r, now=NOW + HOLD)
+    assert (down.action, down.effect, down.tier, down.calm_since) == ("update", "NoSchedule", "fatal", None)
+    r2 = rule("NoSchedule", "fatal", calm_since=None)
+    again = d(HEALTHY, r2, now=NOW + HOLD + 1)
+    assert again.action == "keep" and again.calm_since == NOW + HOLD + 1  # a fresh hold for the next step
+    r2.calm_since = again.calm_since
+    gone = d(HEALTHY, r2, now=NOW + 2 * HOLD + 1)
+    assert (gone.action, gone.why) == ("delete", "recovered")
+
+
+def test_fatal_to_degraded_steps_to_noschedule_with_the_new_tier():
+    dec = d(health(Tier.DEGRADED), rule("NoExecute", calm_since=NOW - HOLD))
+    assert (dec.action, dec.effect, dec.tier) == ("update", "NoSchedule", "degraded")
+
+
+def test_refailing_during_the_hold_resets_it():
+    dec = d(health(Tier.FATAL), rule("NoExecute", calm_since=NOW - HOLD + 1))
+    assert dec.action == "keep" and dec.calm_since is None
+
+
+def test_none_rule_is_deleted_after_the_hold():
+    dec = d(HEALTHY, rule("None", "informational", calm_since=NOW - HOLD))
+    assert (dec.action, dec.why) == ("delete", "recovered")
+
+
+# ------------------------------------------------------------------------------ properties
+
+tiers = st.lists(st.sampled_from(list(Tier)), max_size=3)
+effects = st.sampled_from(["None", "NoSchedule", "NoExecute"])
+rules = st.one_of(
+    st.none(),
+    st.builds(
+        rule,
+        effect=effects,
+        tier=st.sampled_from([t.value for t in Tier]),
+        uuid=st.sampled_from([UUID, "", "GPU-other"]),
+        managed=st.booleans(),
+        calm_since=st.one_of(st.none(), st.floats(NOW - 3 * HOLD, NOW)),
+    ),
+)
+safeties = st.builds(Safety, kill_switch=st.booleans(), rate_ok=st.booleans(), budget_ok=st.booleans(), node_fault=st.booleans(), supports_none=st.booleans())
+
+
+@settings(max_examples=400, deadline=None)
+@given(tiers, rules, st.sampled_from(list(TaintMode)), safeties)
+def test_decisions_respect_every_safety_rule(ts, r, mode, safety):
+    h = health(*ts)
+    dec = decide(T, h, r, mode, safety, HOLD, NOW)
+    writes = dec.action in ("create", "update", "delete")
+    assert dec.action in ("nothing", "keep", "create", "update", "delete")
+    if r is not None and not r.managed:
+        assert not writes  # managed=false: hands off
+    if safety.kill_switch:
+        assert not writes  # kill switch: no write at all
+    if mode == TaintMode.OFF:
+        assert dec.action == "nothing"
+    if dec.action in ("create", "update"):
+        assert dec.effect in EFFECT_RANK and dec.tier in {t.value for t in Tier}
+        if dec.effect == "None":
+            assert safety.supports_none
+        if mode == TaintMode.SHADOW:
+            assert dec.effect == "None"
+        raising = r is None or EFFECT_RANK[dec.effect] > EFFECT_RANK[r.effect]
+        if dec.effect == "NoExecute" and raising:
+            assert safety.rate_ok and safety.budget_ok and not safety.node_fault
+        if r is not None and not raising and dec.effect != r.effect:
+            assert EFFECT_RANK[r.effect] - EFFECT_RANK[dec.effect] == 1 or dec.effect != "None"  # one step at a time
+    if dec.action == "create":
+        assert r is None and h.worst is not None
+    if dec.action == "delete":
+        assert r is not None
+        assert dec.why == "hardware_swap" or h.healthy or mode == TaintMode.SHADOW and h.worst is Tier.INFORMATIONAL or not safety.supports_none
+
+
+@settings(max_examples=200, deadline=None)
+@given(tiers, effects, safeties)
+def test_a_failing_device_never_loses_its_rule_to_a_step_down(ts, effect, safety):
+    h = health(*ts)
+    if h.worst in (None, Tier.INFORMATIONAL):
+        return
+    dec = decide(T, h, rule(effect, calm_since=NOW - 10 * HOLD), TaintMode.ENFORCE, safety, HOLD, NOW)
+    assert dec.action != "delete"
