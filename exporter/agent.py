@@ -60,6 +60,12 @@ class Agent:
         self.clock = clock
         self.health = HealthEngine(clock, health_policy)
         self.runner = DeadlineRunner()
+        # Kubernetes API calls made inside a cycle (claims, pods) get their own lanes and
+        # deadline, like device calls: a slow or black-holed API server (30 s read timeout per
+        # request) must not stall device collection. Separate from ``runner`` so /readyz does
+        # not list them as hung devices.
+        self.api_runner = DeadlineRunner()
+        self._last_pods: list[PodInfo] = []
         self.renderer = Renderer()
         self.server: MetricsServer | None = None
         self.status: dict[str, CollectorStatus] = {}
@@ -105,6 +111,7 @@ class Agent:
         if self.src.kubelet is not None:
             self.src.kubelet.close()
         self.runner.close()
+        self.api_runner.close()
 
     def _loop(self) -> None:
         # Fixed-rate schedule: a slow cycle delays the next one, it does not shift them all.
@@ -204,7 +211,7 @@ class Agent:
             claims = self._collect("claims", lambda: self._claims(keys)) or {}
         pods: list[PodInfo] = []
         if self.src.pods is not None:
-            pods = self._collect("pods", self.src.pods.list) or []
+            pods = self._collect("pods", self._list_pods) or []
 
         self.health.observe(self._identities, self._readings)
         health = self.health.all_health()
@@ -238,18 +245,36 @@ class Agent:
         self.publish(process_memory)
         return snap
 
+    def _api_deadline(self) -> float:
+        return max(self.cfg.call_timeout, 0.5)
+
     def _claims(self, keys: list[tuple[str, str]]) -> dict[tuple[str, str], ClaimInfo]:
         cache = self.src.claims
-        cache.refresh(keys)
+        slow = ""
+        try:
+            self.api_runner.call("claims", lambda: cache.refresh(keys), self._api_deadline())
+        except CallHung as e:
+            # The fetch goes on in the background and fills the cache; use what it has now.
+            slow = f"ResourceClaims: API too slow ({e})"
         cache.prune(keys)
         out = {}
         for ns, name in keys:
             entry = cache.entry(ns, name)  # no I/O: refresh() fetched what was due
             if entry is not None and entry.info is not None:
                 out[(ns, name)] = entry.info
+        if slow:
+            raise Degraded(slow, out)
         if cache.last_error:
             raise Degraded(f"ResourceClaims: {cache.last_error}", out)
         return out
+
+    def _list_pods(self) -> list[PodInfo]:
+        try:
+            pods = self.api_runner.call("pods", self.src.pods.list, self._api_deadline())
+        except CallHung as e:
+            raise Degraded(f"Pods: API too slow ({e})", self._last_pods) from None
+        self._last_pods = pods
+        return pods
 
     def _slice_devices(self) -> dict:
         w = self.src.slices
@@ -265,8 +290,8 @@ class Agent:
         rem = self.src.remediation
         state = RenderState(
             snapshot=self.snapshot,
-            xid_counts=dict(self.health.xid_counts),
-            read_errors=dict(self.health.read_errors),
+            xid_counts=self.health.counters()[0],
+            read_errors=self.health.counters()[1],
             collectors={n: (s.duration, s.success) for n, s in self.status.items() if n != "cycle"},
             last_collection=self.clock(),
             cycles=self.cycles,

@@ -135,9 +135,10 @@ def check_kubelet_socket(path: str) -> str | None:
     return None
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", metavar="HOST:PORT", help=f"address for /metrics, /healthz, /readyz (default {DEFAULT_LISTEN})")
-    p.add_argument("--interval", metavar="SECONDS", help="collection interval, float seconds (default 5)")
+def _add_common(p: argparse.ArgumentParser, demo: bool = False) -> None:
+    listen, interval = ("127.0.0.1:9402", "1") if demo else (DEFAULT_LISTEN, "5")
+    p.add_argument("--listen", metavar="HOST:PORT", help=f"address for /metrics, /healthz, /readyz (default {listen})")
+    p.add_argument("--interval", metavar="SECONDS", help=f"collection interval, float seconds (default {interval})")
     p.add_argument("--backend", choices=["auto", "nvml", "amdsmi", "sim"], help="device library (default auto)")
     p.add_argument("--taint-mode", choices=[m.value for m in TaintMode], help="remediation mode (default enforce)")
     p.add_argument("--log-format", choices=["auto", "json", "console"], help="auto: JSON unless stderr is a terminal")
@@ -177,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser(
         "demo", help="run the embedded simulated node (GPUs, kubelet, Kubernetes API)", argument_default=argparse.SUPPRESS
     )
-    _add_common(d)
+    _add_common(d, demo=True)
     d.add_argument("--scenario", metavar="FILE", help="scenario file (YAML or JSON); default: the built-in mixed node")
     d.add_argument("--time-scale", metavar="X", help="simulated seconds per real second (default 1)")
     d.add_argument("--list-scenarios", action="store_true", help="list the bundled scenarios and exit")

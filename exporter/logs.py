@@ -11,6 +11,17 @@ import sys
 
 import structlog
 
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is *now*, not what it was at configure time (test
+    runners and daemonisers swap it; a logger holding a closed stream would fail every call)."""
+
+    def write(self, s: str) -> int:
+        return sys.stderr.write(s)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
@@ -32,9 +43,9 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level, logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=False,
     )
     # Library loggers (grpc, kubernetes' urllib3) go through stdlib logging: keep them quiet
     # unless debugging, and on stderr like ours.
-    logging.basicConfig(level=logging.WARNING if level != "debug" else logging.DEBUG, stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING if level != "debug" else logging.DEBUG, stream=_CurrentStderr())

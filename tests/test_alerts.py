@@ -24,9 +24,13 @@ UNIT_TESTS = sorted((REPO / "alerts" / "tests").glob("*.yml"))
 DEPLOY_DOC = REPO / "docs" / "deploy.md"
 PROMTOOL = shutil.which("promtool")
 
-needs_promtool = pytest.mark.skipif(
+_skip_without_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool not found: install Debian's `prometheus` package (CI does)"
 )
+
+
+def needs_promtool(test: Any) -> Any:
+    return pytest.mark.prometheus(_skip_without_promtool(test))
 
 WRAPPER_HEADER = """\
 # PrometheusRule (Prometheus Operator) wrapping alerts/dra-gpu-exporter.rules.yml unchanged.
@@ -158,6 +162,17 @@ def test_every_alert_has_severity_text_and_a_runbook(rule: dict[str, Any]) -> No
     assert url.startswith("https://github.com/dra-gpu-exporter/dra-gpu-exporter/blob/main/docs/deploy.md#")
     anchor = url.rsplit("#", 1)[1]
     assert anchor in _doc_anchors(), f"docs/deploy.md has no heading for #{anchor}"
+
+
+def test_deploy_doc_links_resolve() -> None:
+    # Runbook links and the doc's own cross-references use GitHub's heading anchors.
+    text = DEPLOY_DOC.read_text()
+    anchors = _doc_anchors()
+    links = re.findall(r"\]\(#([^)]+)\)", text)
+    assert links
+    assert not [a for a in links if a not in anchors], "broken #anchors in docs/deploy.md"
+    for ref in re.findall(r"`((?:deploy|alerts|dashboards|tests)/[^`*<> ]+)`", text):
+        assert (REPO / ref).exists(), f"docs/deploy.md names {ref}, which does not exist"
 
 
 def test_required_alerts_exist() -> None:

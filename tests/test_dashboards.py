@@ -4,7 +4,7 @@ Static checks (always): current schemaVersion, datasource as a variable everywhe
 namespace / claim variables, unique ids, a grid without overlaps, variables used as regex matchers.
 
 Live checks (need Debian's `prometheus`): the demo (`dra-gpu-exporter demo`, simulated node with an
-XID 79 fault a simulated minute in) is scraped every second by a real Prometheus that also loads
+XID 79 fault a simulated minute in, run at x20) is scraped every second by a real Prometheus that also loads
 alerts/dra-gpu-exporter.rules.yml. Every panel query and every variable query is then sent to it
 the way Grafana would (variables substituted, $__rate_interval resolved) and must parse and return
 data over the run; every metric the dashboards and alerts name must have been exported; every alert
@@ -179,58 +179,68 @@ def test_panel_ids_and_grid(path: Path) -> None:
 # --- live: the demo scraped by a real Prometheus ----------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def demo() -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "exporter", "demo", "--listen", f"127.0.0.1:{port}",
-         "--time-scale", "60", "--interval", "0.5", "--log-format", "json", "--log-level", "warning"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        cwd=REPO,
-    )
-    url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        if proc.poll() is not None:
-            raise RuntimeError(f"demo exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
-        return http_get(f"{url}/readyz", timeout=2)[0] == 200
-
-    try:
-        wait_until(ready, 30, what="demo /readyz", fatal=(RuntimeError,))
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+def _scenario(name: str = "mixed-node") -> tuple[Path, str]:
+    """The bundled scenario's file and node name (``demo --list-scenarios``)."""
+    listing = subprocess.run(
+        [sys.executable, "-m", "exporter", "demo", "--list-scenarios"],
+        capture_output=True, text=True, timeout=60, cwd=REPO, check=True,
+    ).stdout
+    paths = dict(line.split("\t", 1) for line in listing.splitlines() if "\t" in line)
+    path = Path(paths[name].strip())
+    return path, str(yaml.safe_load(path.read_text())["node"])
 
 
 @pytest.fixture(scope="module")
-def prom(demo: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PrometheusServer, float]]:
+def prom(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PrometheusServer, float]]:
+    """Prometheus first (so it sees the demo from its first second), then the demo.
+
+    Yields the server and the wall-clock start of the run, for range queries over all of it.
+    """
     if PROMETHEUS is None:
         pytest.skip(NO_PROMETHEUS_REASON)
-    # The ServiceMonitor copies the pod's node name into `node` on the target; do the same here.
-    status, body = http_get(f"{demo}/metrics")
-    assert status == 200
-    node = re.search(r'node="([^"]+)"', body.decode()).group(1)  # type: ignore[union-attr]
+    scenario, node = _scenario()
+    port = free_port()
     start = time.time()
+    # The ServiceMonitor copies the pod's node name into `node` on the target; do the same here.
     with start_prometheus(
-        [demo.removeprefix("http://")],
+        [f"127.0.0.1:{port}"],
         tmp_path_factory.mktemp("prometheus"),
         scrape_interval=f"{SCRAPE_INTERVAL_S}s",
         rule_files=[RULES],
         target_labels={"node": node},
     ) as server:
-        server.wait_for_targets_up()
-        # The scripted XID 79 fault (1 simulated minute in) and enough samples for rate windows.
-        server.wait_for_query('count(max_over_time(gpu_health_condition{tier="fatal"}[5m])) > 0', timeout=30)
-        server.wait_for_query('gpu_xid_errors_total{xid="79"}', timeout=30)
-        server.wait_for_query('count_over_time(up{job="dra-gpu-exporter"}[5m]) >= 8', timeout=30)
-        yield server, start
+        # x20: the scenario's XID 79 (1 simulated minute in) lands 3 s after start and the GPU is
+        # lost until 9 s, several scrapes wide. 0.5 s collection keeps up with the faster clock.
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "exporter", "demo", "--listen", f"127.0.0.1:{port}",
+             "--scenario", str(scenario), "--time-scale", "20", "--interval", "0.5",
+             "--log-format", "json", "--log-level", "warning"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            cwd=REPO,
+        )
+
+        def demo_ready() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"demo exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
+            return http_get(f"http://127.0.0.1:{port}/readyz", timeout=2)[0] == 200
+
+        try:
+            wait_until(demo_ready, 30, what="demo /readyz", fatal=(RuntimeError,))
+            server.wait_for_targets_up()
+            # The fault, and enough samples for rate windows.
+            server.wait_for_query('count(max_over_time(gpu_health_condition{tier="fatal"}[5m])) > 0', timeout=30)
+            server.wait_for_query('gpu_xid_errors_total{xid="79"}', timeout=30)
+            server.wait_for_query('count_over_time(up{job="dra-gpu-exporter"}[5m]) >= 8', timeout=30)
+            yield server, start
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
 
 
 def _window(prom: tuple[PrometheusServer, float]) -> tuple[PrometheusServer, float, float]:

@@ -156,6 +156,17 @@ def test_uncorrectable_ecc_growth_is_fatal_but_a_steady_count_is_not(engine, clo
     assert "grew by 2 to 7" in h.conditions[0].evidence
 
 
+@pytest.mark.parametrize("action,tier", [(RecoveryAction.GPU_RESET, Tier.FATAL), (RecoveryAction.NODE_REBOOT, Tier.FATAL), (RecoveryAction.DRAIN_P2P, Tier.DEGRADED)])
+def test_recovery_action_event(engine, action, tier):
+    engine.on_event(DeviceEvent(uuid=G0.uuid, kind=EventKind.RECOVERY_ACTION, code=int(action)))
+    assert reasons(engine, G0) == {f"recovery_action_{action.name.lower()}": tier}
+
+
+def test_recovery_action_none_event_is_no_condition(engine):
+    engine.on_event(DeviceEvent(uuid=G0.uuid, kind=EventKind.RECOVERY_ACTION, code=int(RecoveryAction.NONE)))
+    assert engine.health(G0.uuid).conditions == ()
+
+
 def test_lost_gpu_event(engine):
     engine.on_event(DeviceEvent(uuid=G0.uuid, kind=EventKind.GPU_LOST))
     assert engine.health(G0.uuid).worst is Tier.FATAL

@@ -337,6 +337,8 @@ def apply_json_patch(doc: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str
             if isinstance(parent, list):
                 if key == "-":
                     parent.append(op["value"])
+                elif op["op"] == "replace":
+                    parent[int(key)] = op["value"]
                 else:
                     parent.insert(int(key), op["value"])
             else:
@@ -381,3 +383,47 @@ def test_daemonset_flags_are_accepted_by_the_cli(container: dict[str, Any]) -> N
     assert result.returncode == 0, result.stderr[-2000:]
     for flag in (a for a in container["args"] if a.startswith("--")):
         assert flag in result.stdout, f"{flag} not in `dra-gpu-exporter --help`"
+
+
+# --- the kube-rbac-proxy variant (deploy/kube-rbac-proxy) -------------------------------------
+
+
+def _patch(name: str) -> list[dict[str, Any]]:
+    return yaml.safe_load((REPO / "deploy" / "kube-rbac-proxy" / name).read_text())
+
+
+def test_kube_rbac_proxy_variant_is_valid_and_consistent(docs: list[dict[str, Any]], daemonset: dict[str, Any]) -> None:
+    patched = apply_json_patch(daemonset, _patch("daemonset-patch.yaml"))
+    assert _validate_everywhere(patched) == VERSIONS
+    agent, proxy = patched["spec"]["template"]["spec"]["containers"]
+    # The agent is reachable only through the proxy.
+    assert agent["args"][agent["args"].index("--listen") + 1] == "127.0.0.1:9402"
+    assert "ports" not in agent or not agent["ports"]
+    assert "--upstream=http://127.0.0.1:9402/" in proxy["args"]
+    proxy_ports = {p["name"]: p["containerPort"] for p in proxy["ports"]}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        get = agent[probe]["httpGet"]
+        assert get["port"] in proxy_ports and get["scheme"] == "HTTPS"
+        assert get["path"] in next(a for a in proxy["args"] if a.startswith("--ignore-paths=")), probe
+    assert proxy["securityContext"]["runAsNonRoot"] is True
+    assert proxy["securityContext"]["readOnlyRootFilesystem"] is True
+
+    service = apply_json_patch(one(docs, "Service"), _patch("service-patch.yaml"))
+    assert _validate_everywhere(service) == VERSIONS
+    (port,) = service["spec"]["ports"]
+    assert port["targetPort"] in proxy_ports and port["port"] == proxy_ports[port["targetPort"]]
+
+    monitor = apply_json_patch(one(docs, "ServiceMonitor"), _patch("servicemonitor-patch.yaml"))
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert set(endpoint) <= SERVICE_MONITOR_FIELDS["endpoint"]
+    assert endpoint["port"] == port["name"] and endpoint["scheme"] == "https"
+    assert endpoint["honorLabels"] is True
+
+    rbac = load_docs(REPO / "deploy" / "kube-rbac-proxy" / "rbac.yaml")
+    reviews = _rules(one(rbac, "ClusterRole", "dra-gpu-exporter-kube-rbac-proxy"))
+    assert reviews == {
+        ("authentication.k8s.io", "tokenreviews"): {"create"},
+        ("authorization.k8s.io", "subjectaccessreviews"): {"create"},
+    }
+    reader = one(rbac, "ClusterRole", "dra-gpu-exporter-metrics-reader")
+    assert reader["rules"] == [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]

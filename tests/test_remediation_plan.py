@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from exporter.config import TaintMode
 from exporter.health.model import Condition, DeviceHealth, Tier
-from exporter.k8s.taintrules import TaintRuleClient
 from exporter.remediation import names
 from exporter.remediation.plan import EFFECT_RANK, OwnedRule, Safety, Target, decide, wanted
 
@@ -67,29 +66,6 @@ def test_taint_key_is_in_our_domain():
     for tier in Tier:
         key = f"{names.TAINT_DOMAIN}/{tier.value}"
         assert key.split("/")[0].endswith(names.DOMAIN) and "kubernetes.io" not in key and "nvidia.com" not in key
-
-
-class _Served:  # TaintRuleClient.body only needs the served version, found by discovery
-    def __init__(self) -> None:
-        self.c = TaintRuleClient(client=None)
-        from exporter.k8s.taintrules import ServedTaintRules
-
-        self.c._served = ServedTaintRules(version="v1", supports_none=True)
-
-
-def test_body_selects_exactly_one_device():
-    c = _Served().c
-    b = c.body("n", "gpu.nvidia.com", "node-a", "gpu-3", f"{names.TAINT_DOMAIN}/fatal", "xid_79", "NoExecute", {"l": "v"}, {"a": "v"})
-    assert b["apiVersion"] == "resource.k8s.io/v1" and b["kind"] == "DeviceTaintRule"
-    assert b["spec"]["deviceSelector"] == {"driver": "gpu.nvidia.com", "pool": "node-a", "device": "gpu-3"}
-    assert b["spec"]["taint"] == {"key": f"{names.TAINT_DOMAIN}/fatal", "value": "xid_79", "effect": "NoExecute"}
-
-
-@pytest.mark.parametrize("driver,pool,device", [("", "p", "d"), ("d", "", "d"), ("d", "p", ""), ("", "", "")])
-def test_body_refuses_a_selector_that_is_not_exactly_one_device(driver, pool, device):
-    # An empty selector matches every device in the cluster (kubernetes#141422).
-    with pytest.raises(ValueError):
-        _Served().c.body("n", driver, pool, device, "k/x", "v", "NoExecute", {}, {})
 
 
 # ------------------------------------------------------------------------------ effect by tier and mode
@@ -162,6 +138,13 @@ def test_limits_do_not_touch_lower_effects():
 def test_a_rule_that_already_has_noexecute_keeps_it_under_limits():
     dec = d(health(Tier.FATAL), rule("NoExecute"), budget_ok=False, rate_ok=False, node_fault=True)
     assert dec.action == "keep" and dec.suppressed == ""
+
+
+def test_a_limit_never_lowers_an_existing_rule():
+    """Regression: a fatal device whose rule is NoSchedule (rate-limited) lost it to effect None
+    once the cluster budget filled up: the budget limit must cap a raise, not cause a step down."""
+    dec = d(health(Tier.FATAL), rule("NoSchedule", calm_since=NOW - 2 * HOLD), budget_ok=False)
+    assert dec.action == "keep" and dec.suppressed == "budget"
 
 
 def test_budget_suppressed_rule_stays_none_while_the_budget_is_used_up():
@@ -277,24 +260,29 @@ def test_decisions_respect_every_safety_rule(ts, r, mode, safety):
         assert not writes  # managed=false: hands off
     if safety.kill_switch:
         assert not writes  # kill switch: no write at all
-    if mode == TaintMode.OFF:
-        assert dec.action == "nothing"
+    if mode == TaintMode.OFF and r is None:
+        assert dec.action == "nothing"  # (the engine does not call decide at all when off)
     if dec.action in ("create", "update"):
         assert dec.effect in EFFECT_RANK and dec.tier in {t.value for t in Tier}
         if dec.effect == "None":
             assert safety.supports_none
-        if mode == TaintMode.SHADOW:
-            assert dec.effect == "None"
         raising = r is None or EFFECT_RANK[dec.effect] > EFFECT_RANK[r.effect]
+        if mode == TaintMode.SHADOW and raising:
+            assert dec.effect == "None"  # (a rule from enforce days may still be stepping down)
         if dec.effect == "NoExecute" and raising:
             assert safety.rate_ok and safety.budget_ok and not safety.node_fault
-        if r is not None and not raising and dec.effect != r.effect:
-            assert EFFECT_RANK[r.effect] - EFFECT_RANK[dec.effect] == 1 or dec.effect != "None"  # one step at a time
+        if r is not None and EFFECT_RANK[dec.effect] < EFFECT_RANK[r.effect]:
+            assert EFFECT_RANK[r.effect] - EFFECT_RANK[dec.effect] == 1  # one step at a time
+            want, _ = wanted(h, mode, safety.supports_none)
+            assert want is None or EFFECT_RANK[want] < EFFECT_RANK[r.effect], "a safety limit lowered a rule"
+            assert r.calm_since is not None and NOW - r.calm_since >= HOLD  # only after the hold
     if dec.action == "create":
         assert r is None and h.worst is not None
     if dec.action == "delete":
         assert r is not None
-        assert dec.why == "hardware_swap" or h.healthy or mode == TaintMode.SHADOW and h.worst is Tier.INFORMATIONAL or not safety.supports_none
+        if dec.why != "hardware_swap":
+            assert dec.why == "recovered" and r.effect != "NoExecute"
+            assert wanted(h, mode, safety.supports_none)[0] is None
 
 
 @settings(max_examples=200, deadline=None)

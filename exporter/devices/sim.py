@@ -166,7 +166,10 @@ class SimBackend(DeviceBackend):
         return r
 
     def start_events(self, sink: EventSink) -> None:
-        self._thread = threading.Thread(target=self._event_loop, args=(sink,), name="sim-events", daemon=True)
+        # "From now on" is decided here, not when the thread gets to run: at a high time scale
+        # a late thread start would otherwise skip the first events.
+        start = self.clock.now()
+        self._thread = threading.Thread(target=self._event_loop, args=(sink, start), name="sim-events", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
@@ -220,7 +223,7 @@ class SimBackend(DeviceBackend):
             e.t = t
         return round(e.joules, 3)
 
-    def _event_loop(self, sink: EventSink) -> None:
+    def _event_loop(self, sink: EventSink, start: float) -> None:
         kinds = {
             "xid": EventKind.XID,
             "lost": EventKind.GPU_LOST,
@@ -228,9 +231,7 @@ class SimBackend(DeviceBackend):
             "recovery_action": EventKind.RECOVERY_ACTION,
             "ecc_uncorrectable": EventKind.ECC_DBE,
         }
-        pending = [f for f in self.scenario.faults if f.kind in kinds]
-        start = self.clock.now()
-        pending = [f for f in pending if f.at >= start]
+        pending = [f for f in self.scenario.faults if f.kind in kinds and f.at >= start]
         for f in pending:
             wait = self.clock.real_seconds(f.at - self.clock.now())
             if self._stop.wait(wait):

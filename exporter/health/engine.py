@@ -269,6 +269,12 @@ class HealthEngine:
         conds.sort(key=lambda c: (-c.tier.rank, c.reason))
         return DeviceHealth(uuid=uuid, conditions=tuple(conds), sticky=st.sticky)
 
+    def counters(self) -> tuple[dict[tuple[str, int], int], dict[tuple[str, str], int]]:
+        """Copies of the XID and read-error counters, taken under the lock (the event thread
+        writes them)."""
+        with self._lock:
+            return dict(self.xid_counts), dict(self.read_errors)
+
     def health(self, uuid: str) -> DeviceHealth:
         with self._lock:
             return self._health_locked(uuid, self.clock())

@@ -112,5 +112,10 @@ class MetricsServer:
         log.info("http_listening", url=self.url)
 
     def stop(self) -> None:
-        self._httpd.shutdown()
+        # shutdown() waits for serve_forever() to notice; on a server that was never started
+        # it would wait forever.
+        if self._thread is not None:
+            self._httpd.shutdown()
+            self._thread.join(timeout=5)
+            self._thread = None
         self._httpd.server_close()

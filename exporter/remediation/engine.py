@@ -161,21 +161,27 @@ class Remediator:
     def _loop(self) -> None:
         while not self._stop.is_set():
             with self._wake:
+                backoff_left = self._retry_at - time.monotonic()
+                if backoff_left > 0:
+                    # After a failed pass: retry when the backoff ends, not at the next interval,
+                    # and keep any poke that arrives meanwhile pending (dirty stays set).
+                    self._wake.wait(timeout=backoff_left)
+                    continue
                 if not self._dirty:
                     self._wake.wait(timeout=min(self.cfg.interval, 5.0))
                 self._dirty = False
             if self._stop.is_set():
                 return
-            if time.monotonic() < self._retry_at:
-                continue
             try:
                 self.reconcile()
                 self.ok, self.last_error, self._backoff = True, None, 0.5
             except (ApiError, TaintRulesUnavailable) as e:
                 self.ok, self.last_error = False, str(e)
-                self._retry_at = time.monotonic() + self._backoff
-                self._backoff = min(self._backoff * 2, 30.0)
                 log.warning("remediation_pass_failed", error=str(e), retry_in=round(self._backoff, 2))
+                with self._wake:
+                    self._retry_at = time.monotonic() + self._backoff
+                    self._dirty = True  # the failed work is still to do
+                self._backoff = min(self._backoff * 2, 30.0)
             except Exception as e:
                 self.ok, self.last_error = False, str(e)
                 log.exception("remediation_pass_crashed")
@@ -187,6 +193,7 @@ class Remediator:
             return
         if self.mode != TaintMode.DRY_RUN:
             found = {}
+            adopted: list[OwnedRule] = []
             for obj in self.rules.list_owned(self.node):
                 r = _rule_from_object(obj)
                 if r is not None and r.pool and r.device:
@@ -198,6 +205,7 @@ class Remediator:
                         self.actions["adopt"] += 1
                         log.info("rule_adopted", rule=r.name, device=r.device, effect=r.effect)
                         self.owned[key] = r
+                        adopted.append(r)
                     else:
                         mine.managed, mine.uid, mine.effect = r.managed, r.uid, r.effect
                 for key, mine in list(self.owned.items()):
@@ -208,6 +216,8 @@ class Remediator:
                         log.warning("rule_deleted_by_someone_else", rule=mine.name, device=mine.device)
                         if mine.uuid:
                             self.health.clear_sticky(mine.uuid)
+            for r in adopted:
+                self._adopted_event(r, "found carrying this agent's labels (agent restarted)")
             self._adopted = True
             cluster = self.rules.list_owned(None)
             self._cluster_noexecute = sum(1 for o in cluster if (o.get("spec") or {}).get("taint", {}).get("effect") == "NoExecute")
@@ -286,6 +296,8 @@ class Remediator:
         self.budget_exhausted = self._cluster_noexecute >= budget
         if node_fault:
             self._announce_once(("node", "", ""), "node_fault", f"{len(fatal)} of {len(physical)} GPUs failed at once: treating it as a node problem, NoSchedule only")
+        else:
+            self._announced.discard((("node", "", ""), "node_fault"))  # the episode is over
 
         covered: set[str] = set()
         for t in targets:
@@ -302,22 +314,63 @@ class Remediator:
                 supports_none=supports_none,
             )
             d = decide(t, h, rule, self.mode, safety, self.cfg.taint_hold_seconds, now, self._admin_deleted.get(t.key))
-            self._apply(t, h, rule, d, now)
-        self._device_plugin_notices(health, covered)
+            try:
+                self._apply(t, h, rule, d, now)
+            except ApiError as e:
+                if e.retryable:
+                    raise  # outage: the whole pass is retried with backoff
+                # The server refused this one write (admission policy, validation, a changed
+                # precondition): report it and go on, or one bad device would block every
+                # device sorted after it on every pass.
+                log.error("remediation_write_rejected", device=t.device, action=d.action, error=str(e))
+                self._announce_once(t.key, "api_rejected", f"{t.device}: the API server refused to {d.action} its DeviceTaintRule: {e}")
+        self._retire_unpublished(now)
+        if getattr(self.slices, "synced", True):
+            # Before the first slice list every GPU would look device-plugin managed.
+            self._device_plugin_notices(health, covered)
+
+    def _retire_unpublished(self, now: float) -> None:
+        """Rules for devices this node no longer publishes (MIG layout changed, driver gone)
+        select nothing and would otherwise be orphaned forever; they go after the hold."""
+        if self.slices is None or not getattr(self.slices, "synced", True):
+            return
+        published = set(self.slices.devices())
+        with self._lock:
+            owned = list(self.owned.items())
+        for key, rule in owned:
+            if key in published or not rule.managed:
+                rule.gone_since = None
+                continue
+            if rule.gone_since is None:
+                rule.gone_since = now
+            if now - rule.gone_since < self.cfg.taint_hold_seconds or self._kill_switch:
+                continue
+            t = Target(driver=rule.driver, pool=rule.pool, device=rule.device, uuid=rule.uuid)
+            try:
+                self._delete(t, rule, Decision("delete", why="device_gone"))
+            except ApiError as e:
+                if e.retryable:
+                    raise
+                log.error("remediation_write_rejected", device=rule.device, action="delete", error=str(e))
 
     def _apply(self, t: Target, h: DeviceHealth, rule: OwnedRule | None, d: Decision, now: float) -> None:
-        if d.suppressed and d.action in ("create", "update", "nothing", "keep") and d.suppressed not in ("admin_deleted",):
+        # node_fault is told once for the node (in reconcile), not once per device.
+        if d.suppressed and d.action in ("create", "update", "nothing", "keep") and d.suppressed not in ("admin_deleted", "node_fault"):
             self._announce_once(t.key, d.suppressed, f"{t.device}: {d.suppressed.replace('_', ' ')} limits remediation of {h.worst.value if h.worst else 'healthy'} device {t.uuid}")
         if d.action in ("nothing", "keep"):
             if rule is not None and d.calm_since != rule.calm_since and d.action == "keep":
                 rule.calm_since = d.calm_since
-            return
-        if d.action == "create":
+        elif d.action == "create":
             self._create(t, h, d, now)
         elif d.action == "update":
             self._update(t, rule, d, now)
         elif d.action == "delete":
             self._delete(t, rule, d)
+        if not d.suppressed and self._announced:
+            # Applied without any limit: this device's suppression episode (if any) is over and
+            # a new one gets a new Event. (Not before the write: a write the server keeps
+            # refusing must not be announced again on every pass.)
+            self._announced = {tag for tag in self._announced if tag[0] != t.key}
 
     def _labels(self, tier: str) -> dict:
         return {names.MANAGED_BY: names.MANAGED_BY_VALUE, names.NODE_LABEL: self.node, names.TIER_LABEL: tier}
@@ -363,6 +416,8 @@ class Remediator:
                 self.owned[t.key] = adopted
             self.actions["adopt"] += 1
             log.info("rule_adopted_on_conflict", rule=name)
+            # Typically our own earlier create whose answer was lost: it never got its Event.
+            self._adopted_event(adopted, "it already existed when this agent tried to create it")
             self.poke()  # its effect may differ from what we want: next pass updates it
             return
         rule.uid = (created.get("metadata") or {}).get("uid", "")
@@ -398,8 +453,10 @@ class Remediator:
             self.rules.patch(rule.name, patch)
         except ApiError as e:
             if e.status == 404:
+                # Deleted behind our back since the last resync: an admin cleared it.
                 with self._lock:
                     self.owned.pop(t.key, None)
+                self._admin_deleted[t.key] = self.clock()
                 return
             raise
         old = rule.effect
@@ -425,13 +482,22 @@ class Remediator:
         if rule.effect == "NoExecute":
             self._cluster_noexecute = max(0, self._cluster_noexecute - 1)
         reason = "HardwareSwapDetected" if d.why == "hardware_swap" else "GPUUntainted"
-        note = (
-            f"{t.device}: the rule named GPU {rule.uuid}, the device is now {t.uuid}; rule removed"
-            if d.why == "hardware_swap"
-            else f"{t.device} ({t.uuid}) healthy for {self.cfg.taint_hold_seconds:g}s: rule removed"
-        )
+        if d.why == "hardware_swap":
+            note = f"{t.device}: the rule named GPU {rule.uuid}, the device is now {t.uuid}; rule removed"
+        elif d.why == "device_gone":
+            note = f"{t.device} ({t.uuid}) no longer published by this node for {self.cfg.taint_hold_seconds:g}s: rule removed"
+        else:
+            note = f"{t.device} ({t.uuid}) healthy for {self.cfg.taint_hold_seconds:g}s: rule removed"
         log.warning("rule_deleted", rule=rule.name, device=t.device, why=d.why)
         self.events.record({"apiVersion": self.rules.api_version, "kind": "DeviceTaintRule", "name": rule.name}, reason, note, "Untaint")
+
+    def _adopted_event(self, rule: OwnedRule, how: str) -> None:
+        self.events.record(
+            {"apiVersion": self.rules.api_version, "kind": "DeviceTaintRule", "name": rule.name},
+            "GPUTaintAdopted",
+            f"{rule.driver}/{rule.pool}/{rule.device} ({rule.uuid or 'unknown GPU'}): rule with effect {rule.effect} adopted: {how}",
+            "Adopt",
+        )
 
     def _announce_once(self, key: tuple[str, str, str], what: str, note: str) -> None:
         """One Warning Event and one counter increment per (device, suppression) episode."""

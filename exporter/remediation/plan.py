@@ -55,6 +55,7 @@ class OwnedRule:
     uid: str = ""
     managed: bool = True
     calm_since: float | None = None  # since when the device has wanted less than this rule
+    gone_since: float | None = None  # since when this node no longer publishes the device
     created_at: float | None = None
     virtual: bool = False  # dry-run: what would exist; never written, never exported as a rule
 
@@ -81,7 +82,7 @@ class Decision:
     evidence: str = ""
     suppressed: str = ""  # why the effect is lower than the tier asks, or why nothing was written
     calm_since: float | None = None
-    why: str = ""  # for delete: recovered | hardware_swap
+    why: str = ""  # for delete: recovered | hardware_swap | device_gone
 
 
 def wanted(health: DeviceHealth, mode: TaintMode, supports_none: bool) -> tuple[str | None, Tier | None]:
@@ -127,6 +128,8 @@ def decide(
     if rule is not None and rule.uuid and target.uuid and rule.uuid != target.uuid:
         # Rules select by name; another GPU now answers to this name, so the rule's evidence
         # is about hardware that is gone.
+        if safety.kill_switch:
+            return Decision("keep", suppressed="kill_switch")
         return Decision("delete", why="hardware_swap")
 
     if effect is None:
@@ -137,6 +140,10 @@ def decide(
         limited, suppressed = effect, ""
     else:
         limited, suppressed = _limit(effect, safety)
+        if rule is not None and limited is not None and EFFECT_RANK[limited] < EFFECT_RANK.get(rule.effect, 0) <= EFFECT_RANK[effect]:
+            # A limit caps a raise; it must not lower what the rule already has (a fatal
+            # device keeps its NoSchedule while the NoExecute budget is used up).
+            limited = rule.effect
 
     if rule is None:
         if limited is None:

@@ -171,6 +171,11 @@ def run_demo(cfg: Config, stop: threading.Event | None = None) -> int:
     except ScenarioError as e:
         print(f"dra-gpu-exporter: error: {e}", file=sys.stderr)
         return 2
+    # Signals first: a Ctrl-C while the cluster starts must end in the cleanup below, not in a
+    # KeyboardInterrupt traceback that leaves the temporary directory behind.
+    waiter = stop or threading.Event()
+    if stop is None:
+        stop_on_signals(waiter)
     clock = SimClock(cfg.time_scale)
     workdir = Path(tempfile.mkdtemp(prefix="dra-demo-"))
     cluster = DemoCluster(scenario, clock, workdir)
@@ -201,9 +206,6 @@ def run_demo(cfg: Config, stop: threading.Event | None = None) -> int:
             flush=True,
         )
         period = max(5.0, 60.0 / cfg.time_scale)
-        waiter = stop or threading.Event()
-        if stop is None:
-            stop_on_signals(waiter)
         print(summary_line(agent, cluster), flush=True)
         while not waiter.wait(period):
             print(summary_line(agent, cluster), flush=True)
