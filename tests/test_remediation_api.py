@@ -740,7 +740,8 @@ def test_off_mode_does_nothing(make_rig):
     rig.server.clear_requests()
     rig.xid(0, 79)
     rig.reconcile()
-    assert rig.server.requests == []
+    # The slice watcher may re-open its watch at any moment; remediation itself must not call.
+    assert [r for r in rig.server.requests if "/resourceslices" not in r.path] == []
 
 
 # ------------------------------------------------------------------------------ device-plugin GPUs
