@@ -240,7 +240,6 @@ class Agent:
         if self.src.processes is not None:
             process_memory = self._collect("processes", lambda: self.src.processes(snap)) or {}
         self.cycles += 1
-        self.status.setdefault("cycle", CollectorStatus())
         self.status["cycle"] = CollectorStatus(duration=time.perf_counter() - t0, success=True, last_success=time.monotonic())
         self.publish(process_memory)
         return snap
@@ -288,10 +287,11 @@ class Agent:
     def publish(self, process_memory: dict | None = None) -> None:
         """Render the current state and hand the bytes to the HTTP server."""
         rem = self.src.remediation
+        xid_counts, read_errors = self.health.counters()  # one consistent copy under the lock
         state = RenderState(
             snapshot=self.snapshot,
-            xid_counts=self.health.counters()[0],
-            read_errors=self.health.counters()[1],
+            xid_counts=xid_counts,
+            read_errors=read_errors,
             collectors={n: (s.duration, s.success) for n, s in self.status.items() if n != "cycle"},
             last_collection=self.clock(),
             cycles=self.cycles,
