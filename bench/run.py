@@ -14,7 +14,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -201,12 +200,14 @@ def bench_cycle(cycles: int = 200) -> None:
 # --------------------------------------------------------------------------- nvml overhead
 
 
-def bench_nvml(reads: int = 300) -> None:
+def bench_nvml(reads: int = 300, rounds: int = 5) -> None:
     """Python overhead of the NVML backend over the raw library calls it makes, 8 GPUs.
 
-    The fake library (tests/fakes/fake_nvml.py) answers instantly, so everything measured is
-    Python: pynvml's ctypes marshalling plus our backend. "raw" is the same set of pynvml calls
-    made directly in a tight loop; "backend" is NvmlBackend.read(); overhead = backend/raw - 1.
+    The fake library (tests/fakes/fake_nvml.py) does no driver work, only its own Python
+    bookkeeping, so what is measured is Python: the fake, pynvml's ctypes marshalling, and our
+    backend. "raw" is exactly the pynvml calls one backend read makes, in a tight loop, results
+    unread; "backend" is NvmlBackend.read(); overhead = backend/raw - 1. Backend and raw run in
+    alternating rounds and each keeps its fastest round, so a noisy neighbour hurts neither side.
     """
     try:
         from fakes.fake_nvml import FakeGpu, FakeNvml, installed  # type: ignore
@@ -215,7 +216,7 @@ def bench_nvml(reads: int = 300) -> None:
         return
     import pynvml
 
-    from exporter.devices.nvml import NvmlBackend
+    from exporter.devices.nvml import FIELD_REQUESTS, NvmlBackend
 
     fake = FakeNvml([FakeGpu(uuid=f"GPU-00000000-0000-0000-0000-{i:012d}", pci_bus_id=f"00000000:{0x18 + i:02X}:00.0", minor=i) for i in range(8)])
     with installed(fake) as lib:
@@ -225,49 +226,45 @@ def bench_nvml(reads: int = 300) -> None:
         for d in devs:
             b.read(d)  # warm caches (unsupported fields, handles)
         calls_before = dict(lib.counts)
-        t0 = time.perf_counter()
-        for _ in range(reads):
+        for d in devs:
+            b.read(d)
+        per_read_calls = {k: (v - calls_before.get(k, 0)) / len(devs) for k, v in lib.counts.items() if v - calls_before.get(k, 0)}
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(len([d for d in devs if not d.is_partition]))]
+        requests = list(FIELD_REQUESTS)
+
+        def backend(_h):
             for d in devs:
                 b.read(d)
-        backend_s = (time.perf_counter() - t0) / (reads * len(devs))
-        per_read_calls = {k: (v - calls_before.get(k, 0)) / (reads * len(devs)) for k, v in lib.counts.items() if v - calls_before.get(k, 0)}
-        # The raw path: the same C functions called through pynvml directly.
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(len([d for d in devs if not d.is_partition]))]
-        fids = [pynvml.NVML_FI_DEV_ECC_SBE_VOL_TOTAL, pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL, pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, pynvml.NVML_FI_DEV_REMAPPED_COR, pynvml.NVML_FI_DEV_REMAPPED_UNC, pynvml.NVML_FI_DEV_REMAPPED_PENDING, pynvml.NVML_FI_DEV_REMAPPED_FAILURE, pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER, pynvml.NVML_FI_DEV_MEMORY_TEMP, pynvml.NVML_FI_DEV_RETIRED_SBE, pynvml.NVML_FI_DEV_RETIRED_DBE, pynvml.NVML_FI_DEV_RETIRED_PENDING]
 
-        def raw(h):
-            pynvml.nvmlDeviceGetUtilizationRates(h)
-            pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2)
-            pynvml.nvmlDeviceGetPowerUsage(h)
-            pynvml.nvmlDeviceGetTemperature(h, 0)
-            pynvml.nvmlDeviceGetClockInfo(h, 1)
-            pynvml.nvmlDeviceGetClockInfo(h, 2)
-            pynvml.nvmlDeviceGetCurrentClocksEventReasons(h)
-            pynvml.nvmlDeviceGetFieldValues(h, fids)
+        def raw(_h):  # exactly the calls of one backend read, per GPU
+            for h in handles:
+                pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2)
+                pynvml.nvmlDeviceGetUtilizationRates(h)
+                pynvml.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU)
+                pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
+                pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)
+                pynvml.nvmlDeviceGetCurrentClocksEventReasons(h)
+                pynvml.nvmlDeviceGetFieldValues(h, requests)
 
-        def per_metric(h):
-            for f in fids:
-                pynvml.nvmlDeviceGetFieldValues(h, [f])
+        def per_metric(_h):  # the counters alone, one FieldValues call per counter
+            for h in handles:
+                for req in requests:
+                    pynvml.nvmlDeviceGetFieldValues(h, [req])
 
-        for fn, label in ((raw, "raw"), (per_metric, "per_metric")):
-            t0 = time.perf_counter()
-            for _ in range(reads):
-                for h in handles:
-                    try:
-                        fn(h)
-                    except pynvml.NVMLError:
-                        pass
-            RESULTS.setdefault("nvml", {})[label + "_us"] = (time.perf_counter() - t0) / (reads * len(handles)) * 1e6
+        best: dict[str, float] = {}
+        for _ in range(rounds):
+            for fn in (backend, raw, per_metric):
+                t0 = time.perf_counter()
+                for _ in range(reads):
+                    fn(None)
+                us = (time.perf_counter() - t0) / (reads * len(handles)) * 1e6
+                best[fn.__name__] = min(best.get(fn.__name__, us), us)
         b.close()
-    n = RESULTS["nvml"]
-    n["backend_us"] = backend_s * 1e6
+    n = RESULTS["nvml"] = {"backend_us": best["backend"], "raw_us": best["raw"], "per_metric_us": best["per_metric"], "reads": reads, "rounds": rounds, "calls_per_read": per_read_calls}
     n["overhead"] = n["backend_us"] / n["raw_us"] - 1
-    batched = n["raw_us"]
-    print(f"\nnvml (8 GPUs, fake library, pure Python cost): backend read {n['backend_us']:.1f} us/device, raw calls {n['raw_us']:.1f} us/device, overhead {n['overhead'] * 100:.0f}%")
-    print(f"  12 counters: one FieldValues call (in raw) vs one call per counter: {n['per_metric_us']:.1f} us/device")
-    if per_read_calls:
-        print("  library calls per backend read:", {k: round(v, 2) for k, v in sorted(per_read_calls.items())})
-    del batched
+    print(f"\nnvml (8 GPUs, fake library, pure Python cost): backend read {n['backend_us']:.1f} us/device, the same raw calls {n['raw_us']:.1f} us/device, overhead {n['overhead'] * 100:.0f}%")
+    print(f"  {len(FIELD_REQUESTS)} counters: one FieldValues call (part of raw) vs one call per counter: {n['per_metric_us']:.1f} us/device")
+    print("  library calls per backend read:", {k: round(v, 2) for k, v in sorted(per_read_calls.items())})
 
 
 # --------------------------------------------------------------------------- xid -> rule
@@ -314,43 +311,32 @@ def bench_xid(samples: int = 40) -> None:
 # --------------------------------------------------------------------------- soak
 
 
-def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def bench_soak(cycles: int = 10000, cpu_seconds: float = 30.0) -> None:
-    """RSS after start and after N cycles (8 GPUs, 32 pods), and CPU at a 1 s interval."""
+    """RSS after start and after N cycles (8 GPUs, 32 pods), and CPU at a 1 s interval, of the
+    agent alone: it runs in its own process (bench/agent_process.py) while this process hosts
+    the kubelet and API emulations it talks to."""
+    import subprocess
+
+    from exporter.sim.demo import DemoCluster
+
     sc = big_scenario(pods=32, claims=32)
     sc["gpus"] = sc["gpus"][:8]
     sc["claims"] = [dict(c, devices=[f"full{i % 8}"]) for i, c in enumerate(sc["claims"])]
-    node = Node(sc, interval=1.0)
-    node.start()
+    workdir = Path(tempfile.mkdtemp(prefix="bench-soak-"))
+    (workdir / "scenario.json").write_text(json.dumps(sc))
+    cluster = DemoCluster(parse_scenario(sc), SimClock(1.0), workdir)
+    cluster.start()
     try:
-        for _ in range(20):
-            node.agent.run_cycle()
-        start_rss = rss_mb()
-        marks = []
-        t0 = time.perf_counter()
-        for i in range(cycles):
-            node.agent.run_cycle()
-            if (i + 1) % max(1, cycles // 5) == 0:
-                marks.append(round(rss_mb(), 1))
-        soak_s = time.perf_counter() - t0
-        end_rss = rss_mb()
-        # CPU at the real 1 s interval: let the sampler thread run alone.
-        c0, w0 = time.process_time(), time.perf_counter()
-        time.sleep(cpu_seconds)
-        cpu = (time.process_time() - c0) / (time.perf_counter() - w0)
-        RESULTS["soak"] = {"cycles": cycles, "rss_start_mb": start_rss, "rss_end_mb": end_rss, "rss_marks_mb": marks, "soak_seconds": soak_s, "cpu_percent_1s_interval": cpu * 100, "cpu_window_s": cpu_seconds}
-        r = RESULTS["soak"]
-        print(f"\nsoak (8 GPUs, 32 pods): RSS {r['rss_start_mb']:.1f} MB after start, {r['rss_end_mb']:.1f} MB after {cycles} cycles (marks {marks}); {cycles} cycles took {soak_s:.1f} s")
-        print(f"  CPU at 1 s interval: {r['cpu_percent_1s_interval']:.2f}% of one core over {cpu_seconds:.0f} s (agent + in-process kubelet and API emulation)")
+        cmd = [sys.executable, str(ROOT / "bench" / "agent_process.py"), "--scenario", str(workdir / "scenario.json"), "--socket", cluster.socket, "--kubeconfig", str(cluster.kubeconfig), "--cycles", str(cycles), "--cpu-seconds", str(cpu_seconds)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        if done.returncode != 0:
+            raise SystemExit(f"agent process failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        r = RESULTS["soak"] = json.loads(done.stdout.strip().splitlines()[-1])
     finally:
-        node.stop()
+        cluster.stop()
+    print(f"\nsoak, agent alone in its own process (8 GPUs, 32 pods, 32 claims): interpreter {r['interpreter_mb']:.1f} MB, after imports {r['after_imports_mb']:.1f} MB")
+    print(f"  RSS {r['rss_start_mb']:.1f} MB after start, {r['rss_end_mb']:.1f} MB after {cycles} cycles (marks {r['rss_marks_mb']}), peak {r['peak_rss_mb']:.1f} MB; {cycles} cycles took {r['cycles_seconds']:.1f} s")
+    print(f"  CPU at 1 s interval: {r['cpu_percent_1s_interval']:.2f}% of one core over {cpu_seconds:.0f} s")
 
 
 # --------------------------------------------------------------------------- series
@@ -378,20 +364,33 @@ def bench_series() -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("which", nargs="*", default=["scrape", "cycle", "nvml", "xid", "soak", "series"])
-    ap.add_argument("--cycles", type=int, default=10000)
-    ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--cpu-seconds", type=float, default=30.0)
+    ap = argparse.ArgumentParser(description="Benchmarks against PRODUCT.md's performance targets.")
+    ap.add_argument("which", nargs="*", metavar="BENCH", help="scrape, cycle, nvml, xid, soak, series (default: all)")
+    ap.add_argument("--cycles", type=int, default=10000, help="soak: cycles between the two RSS readings")
+    ap.add_argument("--requests", type=int, default=2000, help="scrape: requests per concurrency level")
+    ap.add_argument("--cpu-seconds", type=float, default=30.0, help="soak: window for the CPU reading")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the benchmarks run, numbers mean nothing")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "latest.json")
     a = ap.parse_args()
+    if a.quick:
+        a.cycles, a.requests, a.cpu_seconds = 100, 60, 1.0
     configure("json", "error")
-    fns = {"scrape": lambda: bench_scrape(a.requests), "cycle": bench_cycle, "nvml": bench_nvml, "xid": bench_xid, "soak": lambda: bench_soak(a.cycles, a.cpu_seconds), "series": bench_series}
-    for w in a.which:
+    fns = {
+        "scrape": lambda: bench_scrape(a.requests),
+        "cycle": lambda: bench_cycle(10 if a.quick else 200),
+        "nvml": lambda: bench_nvml(*((10, 1) if a.quick else ())),
+        "xid": lambda: bench_xid(4 if a.quick else 40),
+        "soak": lambda: bench_soak(a.cycles, a.cpu_seconds),
+        "series": bench_series,
+    }
+    unknown = [w for w in a.which if w not in fns]
+    if unknown:
+        ap.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(fns)}")
+    for w in a.which or list(fns):
         fns[w]()
-    out = ROOT / "bench" / "results"
-    out.mkdir(exist_ok=True)
-    RESULTS["machine"] = {"cpus": os.cpu_count(), "python": sys.version.split()[0], "when": time.strftime("%Y-%m-%d")}
-    (out / "latest.json").write_text(json.dumps(RESULTS, indent=2, default=float))
+    RESULTS["machine"] = {"cpus": os.cpu_count(), "python": sys.version.split()[0], "when": time.strftime("%Y-%m-%d"), "quick": a.quick}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(RESULTS, indent=2, default=float))
 
 
 if __name__ == "__main__":

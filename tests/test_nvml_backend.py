@@ -16,7 +16,7 @@ import pytest
 from exporter.devices.base import BackendUnavailable
 from exporter.devices.deadline import CallHung, DeadlineRunner
 from exporter.devices.model import DeviceEvent, DeviceIdentity, EventKind, ReadError, RecoveryAction, Vendor
-from exporter.devices.nvml import FIELD_IDS, NvmlBackend, mig_profile_from_name, mig_profile_from_size
+from exporter.devices.nvml import FIELD_IDS, NvmlBackend, _decode_batch, mig_profile_from_name, mig_profile_from_size
 from fakes.fake_nvml import (
     DRIVER_NOT_LOADED,
     GPU_IS_LOST,
@@ -248,6 +248,19 @@ def test_unsupported_calls_and_fields_are_not_retried(nvml) -> None:
     assert all(230 in ids for ids in fake.field_requests[GPU1])
     assert fake.calls_on(GPU0, "nvmlDeviceGetTemperature") == 3
     assert fake.counts["nvmlDeviceGetTemperatureV"] == 0  # the symbol is missing: looked up, never called
+
+
+def test_field_value_batch_is_decoded_by_value_type_from_pynvml_structures() -> None:
+    """The batch is decoded from raw bytes at the offsets of pynvml's own struct: every
+    NVML_VALUE_TYPE must come back as the value written through pynvml's union members."""
+    members = {0: ("dVal", -2.5), 1: ("uiVal", 4_000_000_000), 2: ("ulVal", 2**63 + 5), 3: ("ullVal", 2**64 - 1), 4: ("sllVal", -(2**62)), 5: ("siVal", -7), 6: ("usVal", 65535)}
+    arr = (pynvml.c_nvmlFieldValue_t * (len(members) + 2))()
+    for i, (vtype, (member, value)) in enumerate(members.items()):
+        arr[i].fieldId, arr[i].valueType, arr[i].nvmlReturn = 100 + i, vtype, 0
+        setattr(arr[i].value, member, value)
+    arr[7].valueType, arr[7].nvmlReturn = 3, NOT_SUPPORTED  # failed entry: no value
+    arr[8].valueType, arr[8].nvmlReturn = 99, 0  # unknown value type: no value
+    assert _decode_batch(arr, len(arr)) == [(0, v) for _, v in members.values()] + [(NOT_SUPPORTED, None), (0, None)]
 
 
 def test_unknown_device_reads_as_gone(nvml) -> None:
