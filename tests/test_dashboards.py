@@ -46,7 +46,7 @@ REQUIRED_VARIABLES = {
 }
 # Metrics the exporter only emits in situations the demo does not create.
 ABSENT_IN_DEMO = {
-    "dra_unresolved_devices": "only exported while allocated devices cannot be resolved",
+    "dra_gpu_exporter_taint_suppressed_total": "only counted once a fault's rule is suppressed (budget, rate limit, kill switch)",
 }
 SCRAPE_INTERVAL_S = 1
 BUILTINS = {"__rate_interval": f"{4 * SCRAPE_INTERVAL_S}s", "__interval": f"{SCRAPE_INTERVAL_S}s"}

@@ -188,6 +188,18 @@ def test_unresolved_devices_are_counted_not_dropped():
     assert by["c"].uuids == () and by["c"].utilization is None and by["c"].healthy  # unknown is not broken
 
 
+def test_every_slice_driver_has_an_unresolved_count_zero_included():
+    """Regression: with every device resolved the driver had no count at all, so alerts and
+    dashboards could not tell "all resolved" from "no data"."""
+    amd = SliceDevice(driver="gpu.amd.com", pool=NODE, name="gpu-9-128", attributes={})
+    snap = run([dra("ml", "p", "m", "c", "gpu-0"), dra("ml", "q", "m", "d", "gpu-3")], slices={**SLICES, amd.key: amd})
+    assert all(a.uuid for a in snap.allocations)
+    assert snap.unresolved == {"gpu.amd.com": 0, NV: 0}
+    assert run().unresolved == {NV: 0}  # published, nothing allocated: nothing unresolved
+    assert run(slices=None).unresolved == {}  # slices unknown: no claim either way
+    assert run([dra("ml", "p", "m", "c", "gpu-99")]).unresolved == {NV: 1}
+
+
 def test_slice_uuid_that_is_not_local():
     slices = dict(SLICES)
     slices[(NV, NODE, "gpu-7")] = slice_dev("gpu-7", uuid="GPU-elsewhere")
@@ -204,7 +216,7 @@ def test_device_plugin_allocations():
     assert by["b"].uuid == G1.uuid  # time-slicing replica suffix
     assert by["c"].uuid == G0.uuid and by["c"].method == "device-plugin-index"
     assert by["d"].uuid == M24.uuid
-    assert by["e"].uuid == "" and snap.unresolved == {"nvidia.com/gpu": 1}
+    assert by["e"].uuid == "" and snap.unresolved == {"nvidia.com/gpu": 1, NV: 0}
     assert snap.claims == ()  # device-plugin allocations have no claim
 
 

@@ -23,7 +23,12 @@ from exporter.agent import Agent, Sources
 from exporter.config import Config
 from exporter.devices.sim import SimBackend, SimClock
 from exporter.kubelet.client import PodResourcesClient
+from exporter.devices.model import DeviceIdentity, Vendor
+from exporter.k8s.model import SliceDevice
+from exporter.kubelet.model import AllocationSource, ContainerAllocation
 from exporter.metrics.catalog import BY_NAME
+from exporter.metrics.render import Renderer, RenderState
+from exporter.model.join import JoinInputs, join
 from exporter.metrics.server import CONTENT_TYPE, MetricsServer
 from exporter.sim import objects
 from exporter.sim.kubelet import FakeKubelet
@@ -117,6 +122,29 @@ def test_metrics_values_and_every_series_has_node():
     # every family served is in the catalog (README documents the catalog)
     for fam in text_string_to_metric_families(body.decode()):
         assert fam.name in BY_NAME or fam.name + "_total" in BY_NAME, fam.name
+
+
+def test_unresolved_devices_is_zero_not_absent_for_each_slice_driver():
+    """Alerts and dashboards rely on dra_unresolved_devices existing for every DRA driver of
+    the node: 0 while all its allocated devices resolve, absent only while slices are unknown."""
+    nv = "gpu.nvidia.com"
+    ident = DeviceIdentity(uuid="GPU-00000000-1111-2222-3333-444444444444", vendor=Vendor.NVIDIA, model="H100", pci_bus_id="0000:18:00.0", index=0, minor=0)
+    published = {(nv, "node-t", name): SliceDevice(driver=nv, pool="node-t", name=name, attributes=attrs)
+                 for name, attrs in (("gpu-0", {f"{nv}/uuid": ident.uuid}), ("odd", {}))}
+
+    def scrape(slices, devices=("gpu-0",)) -> bytes:
+        allocations = tuple(
+            ContainerAllocation(namespace="ml", pod="p", container="c", source=AllocationSource.DRA, driver=nv, pool="node-t", device=d,
+                                claim_namespace="ml", claim_name="claim")
+            for d in devices
+        )
+        snap = join(JoinInputs(node="node-t", timestamp=0.0, identities=(ident,), readings={}, health={}, allocations=allocations, slices=slices))
+        return Renderer().render(RenderState(snapshot=snap)).body
+
+    assert value(scrape(published), "dra_unresolved_devices", driver=nv, node="node-t") == 0
+    assert value(scrape(published, ()), "dra_unresolved_devices", driver=nv) == 0
+    assert value(scrape(published, ("gpu-0", "odd")), "dra_unresolved_devices", driver=nv) == 1
+    assert value(scrape(None), "dra_unresolved_devices", driver=nv) is None
 
 
 def test_gzip_head_healthz_and_404():

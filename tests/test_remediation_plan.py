@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import ast
 import re
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -11,8 +13,10 @@ from hypothesis import strategies as st
 
 from exporter.config import TaintMode
 from exporter.health.model import Condition, DeviceHealth, Tier
+from exporter.metrics.catalog import BY_NAME
 from exporter.remediation import names
-from exporter.remediation.plan import EFFECT_RANK, OwnedRule, Safety, Target, decide, wanted
+from exporter.remediation.plan import ADMIN_DELETED, EFFECT_RANK, RECORD_REFRESH, OwnedRule, Safety, Target, decide, wanted
+from exporter.remediation.reasons import Suppression
 
 NOW = 1_750_000_000.0
 HOLD = 600.0
@@ -32,8 +36,16 @@ def health(*tiers: Tier, last_seen: float = NOW, since: float = NOW - 5) -> Devi
 HEALTHY = DeviceHealth(uuid=UUID)
 
 
-def rule(effect: str, tier: str = "fatal", uuid: str = UUID, managed: bool = True, calm_since: float | None = None) -> OwnedRule:
-    return OwnedRule(name="r", driver=T.driver, pool=T.pool, device=T.device, uuid=uuid, effect=effect, tier=tier, managed=managed, calm_since=calm_since)
+def rule(
+    effect: str, tier: str = "fatal", uuid: str = UUID, managed: bool = True, calm_since: float | None = None,
+    reason: str | None = None, evidence: str | None = None, sticky: bool = False, refreshed_at: float | None = None,
+) -> OwnedRule:
+    """A rule as the agent wrote it for ``health(tier)`` (same reason and evidence), unless told otherwise."""
+    return OwnedRule(
+        name="r", driver=T.driver, pool=T.pool, device=T.device, uuid=uuid, effect=effect, tier=tier, managed=managed, calm_since=calm_since,
+        reason=f"r_{tier}" if reason is None else reason, evidence=f"evidence {tier}" if evidence is None else evidence,
+        sticky=sticky, refreshed_at=refreshed_at,
+    )
 
 
 def d(h: DeviceHealth, r: OwnedRule | None = None, mode: TaintMode = TaintMode.ENFORCE, now: float = NOW, admin_deleted_at: float | None = None, **safety):
@@ -66,6 +78,32 @@ def test_taint_key_is_in_our_domain():
     for tier in Tier:
         key = f"{names.TAINT_DOMAIN}/{tier.value}"
         assert key.split("/")[0].endswith(names.DOMAIN) and "kubernetes.io" not in key and "nvidia.com" not in key
+
+
+def test_every_suppression_reason_is_in_the_metric_help():
+    """Regression: the help omitted api_rejected and name_conflict, which the agent counts."""
+    help_ = BY_NAME["dra_gpu_exporter_taint_suppressed_total"].help
+    listed = re.fullmatch(r".*\(([a-z_, ]+)\)", help_).group(1).split(", ")
+    assert listed == [s.value for s in Suppression]
+    assert {"api_rejected", "name_conflict", "no_api", "budget"} <= set(listed)
+
+
+def test_the_suppression_counter_is_only_counted_with_a_suppression():
+    """Every reason the remediator can count goes through _announce_once, which takes a
+    Suppression (a stray string raises there): so the enum, and the help built from it, lists
+    every reason the metric can carry."""
+    src = Path(__file__).resolve().parent.parent / "exporter" / "remediation" / "engine.py"
+    tree = ast.parse(src.read_text())
+    writers = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "suppressed":
+                    writers.add(fn.name)
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "_announce_once":
+                    what = node.args[1]
+                    assert not isinstance(what, ast.Constant), f"{fn.name}: _announce_once with a bare string {what.value!r}"
+    assert writers == {"_announce_once"}
 
 
 # ------------------------------------------------------------------------------ effect by tier and mode
@@ -226,6 +264,58 @@ def test_refailing_during_the_hold_resets_it():
     assert dec.action == "keep" and dec.calm_since is None
 
 
+def test_same_effect_with_another_reason_refreshes_the_record():
+    dec = d(health(Tier.FATAL), rule("NoExecute", reason="xid_48", evidence="XID 48", refreshed_at=NOW - RECORD_REFRESH))
+    assert (dec.action, dec.effect, dec.tier, dec.reason, dec.evidence) == ("refresh", "NoExecute", "fatal", "r_fatal", "evidence fatal")
+    # not within a minute of the last write: conditions clearing one by one during a recovery
+    # must not rename a rule that is about to step down
+    assert d(health(Tier.FATAL), rule("NoExecute", reason="xid_48", refreshed_at=NOW - 1)).action == "keep"
+
+
+def test_the_rule_keeps_naming_its_condition_while_that_holds():
+    both = DeviceHealth(uuid=UUID, conditions=(
+        Condition(uuid=UUID, tier=Tier.FATAL, reason="gpu_lost", since=NOW, last_seen=NOW, evidence="lost"),
+        Condition(uuid=UUID, tier=Tier.FATAL, reason="xid_79", since=NOW, last_seen=NOW, evidence="XID 79"),
+    ))
+    assert d(both, rule("NoExecute", reason="xid_79", evidence="XID 79")).action == "keep"  # no rewrite per new condition
+    assert d(both).reason == "gpu_lost"  # a new rule takes the first one
+
+
+def test_evidence_only_changes_are_refreshed_at_most_every_record_refresh():
+    """An event storm on a tainted GPU changes its evidence on every event: not a write each."""
+    assert d(health(Tier.FATAL), rule("NoExecute", evidence="older", refreshed_at=NOW - 1)).action == "keep"
+    assert d(health(Tier.FATAL), rule("NoExecute", evidence="older", refreshed_at=NOW - RECORD_REFRESH)).action == "refresh"
+    assert d(health(Tier.FATAL), rule("NoExecute", evidence="older")).action == "refresh"  # adopted: never written by us
+    assert d(health(Tier.FATAL), rule("NoExecute", refreshed_at=NOW - 10 * RECORD_REFRESH)).action == "keep"  # nothing new
+
+
+def test_a_refresh_is_a_write_the_kill_switch_stops():
+    dec = d(health(Tier.FATAL), rule("NoExecute", reason="xid_48"), kill_switch=True)
+    assert (dec.action, dec.suppressed) == ("keep", "kill_switch")
+
+
+def sticky(*tiers: Tier) -> DeviceHealth:
+    return DeviceHealth(uuid=UUID, conditions=health(*tiers).conditions, sticky=True)
+
+
+def test_a_sticky_device_marks_its_rule_at_once():
+    assert d(sticky(Tier.FATAL)).sticky is True  # created marked
+    dec = d(sticky(Tier.FATAL), rule("NoExecute", refreshed_at=NOW))
+    assert (dec.action, dec.effect, dec.sticky) == ("refresh", "NoExecute", True)
+    # sticky with only a degraded condition left: marked, not stepped down to NoSchedule
+    dec = d(sticky(Tier.DEGRADED), rule("NoExecute", calm_since=NOW - 10 * HOLD))
+    assert (dec.action, dec.effect, dec.sticky) == ("refresh", "NoExecute", True)
+
+
+def test_a_sticky_rule_is_never_stepped_down_or_removed_by_the_agent():
+    """The label outlives the agent's memory: after a restart the device looks healthy."""
+    r = rule("NoExecute", sticky=True, calm_since=NOW - 10 * HOLD)
+    for h in (HEALTHY, health(Tier.DEGRADED), health(Tier.INFORMATIONAL)):
+        assert d(h, r).action == "keep"
+    assert d(health(Tier.FATAL), rule("NoSchedule", "degraded", sticky=True)).action == "update"  # raising still happens
+    assert d(HEALTHY, rule("NoExecute", uuid="GPU-new", sticky=True)).why == "hardware_swap"  # another board
+
+
 def test_none_rule_is_deleted_after_the_hold():
     dec = d(HEALTHY, rule("None", "informational", calm_since=NOW - HOLD))
     assert (dec.action, dec.why) == ("delete", "recovered")
@@ -244,6 +334,10 @@ rules = st.one_of(
         uuid=st.sampled_from([UUID, "", "GPU-other"]),
         managed=st.booleans(),
         calm_since=st.one_of(st.none(), st.floats(NOW - 3 * HOLD, NOW)),
+        reason=st.sampled_from([None, "", "r_other"]),
+        evidence=st.sampled_from([None, "", "older evidence"]),
+        sticky=st.booleans(),
+        refreshed_at=st.one_of(st.none(), st.floats(NOW - 3 * RECORD_REFRESH, NOW)),
     ),
 )
 safeties = st.builds(Safety, kill_switch=st.booleans(), rate_ok=st.booleans(), budget_ok=st.booleans(), node_fault=st.booleans(), supports_none=st.booleans())
@@ -254,8 +348,14 @@ safeties = st.builds(Safety, kill_switch=st.booleans(), rate_ok=st.booleans(), b
 def test_decisions_respect_every_safety_rule(ts, r, mode, safety):
     h = health(*ts)
     dec = decide(T, h, r, mode, safety, HOLD, NOW)
-    writes = dec.action in ("create", "update", "delete")
-    assert dec.action in ("nothing", "keep", "create", "update", "delete")
+    writes = dec.action in ("create", "update", "refresh", "delete")
+    assert dec.action in ("nothing", "keep", "create", "update", "refresh", "delete")
+    assert dec.suppressed in {"", ADMIN_DELETED, *(s.value for s in Suppression)}
+    if dec.action == "refresh":
+        assert r is not None and (dec.effect, dec.tier) == (r.effect, r.tier)  # the record only
+    if r is not None and r.sticky and dec.action in ("update", "delete"):
+        # only a person lowers or removes a sticky rule; a hardware swap is another GPU
+        assert dec.why == "hardware_swap" if dec.action == "delete" else EFFECT_RANK[dec.effect] >= EFFECT_RANK[r.effect]
     if r is not None and not r.managed:
         assert not writes  # managed=false: hands off
     if safety.kill_switch:

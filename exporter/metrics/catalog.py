@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..remediation.reasons import documented as suppression_reasons
+
 
 @dataclass(frozen=True)
 class MetricDef:
@@ -63,12 +65,13 @@ CATALOG: tuple[MetricDef, ...] = (
     _m("dra_claim_memory_total_bytes", "gauge", "namespace,claim", "Memory size, summed over the claim's devices"),
     _m("dra_claim_power_watts", "gauge", "namespace,claim", "Power summed over the claim's full GPUs (MIG instances have no power of their own)"),
     _m("dra_claim_healthy", "gauge", "namespace,claim", "0 if any device of the claim is unhealthy"),
-    _m("dra_unresolved_devices", "gauge", "driver", "Allocated devices that could not be resolved to a local device"),
+    _m("dra_unresolved_devices", "gauge", "driver", "Allocated devices that could not be resolved to a local device; 0 for every driver of this node's ResourceSlices when all resolve"),
     _m("dra_pod_labels", "gauge", "namespace,pod,labels", "Allow-listed pod labels (--pod-label-allowlist), as label_<key> labels"),
     # remediation
     _m("dra_device_taint_rule", "gauge", "driver,pool,device,effect,tier", "1 per DeviceTaintRule this agent owns"),
-    _m("dra_gpu_exporter_taint_actions_total", "counter", "action", "Remediation actions: create, adopt, update, delete, suppress, dry_run"),
-    _m("dra_gpu_exporter_taint_suppressed_total", "counter", "reason", "Taints not applied with their full effect, by reason (budget, rate_limit, node_fault, kill_switch, unmanaged, no_api)"),
+    _m("dra_gpu_exporter_taint_actions_total", "counter", "action", "Remediation actions: create, adopt, update (effect changed), refresh (reason, evidence or sticky mark changed), delete, dry_run"),
+    # The reasons come from the enum the remediator counts with, so none can go undocumented.
+    _m("dra_gpu_exporter_taint_suppressed_total", "counter", "reason", f"Taints not applied with their full effect, or not written, by reason ({suppression_reasons()})"),
     _m("dra_gpu_exporter_taint_budget_exhausted", "gauge", "", "1 while the cluster-wide NoExecute budget is used up"),
     _m("dra_gpu_exporter_detection_to_taint_seconds", "histogram", "", "Time from the first evidence of a fault to its DeviceTaintRule being written"),
     # self

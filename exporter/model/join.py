@@ -113,10 +113,18 @@ def join(inp: JoinInputs) -> Snapshot:
         devices=devices,
         allocations=tuple(rows),
         claims=claim_views,
-        unresolved={drv: len(devs) for drv, devs in sorted(unresolved.items())},
+        unresolved=_unresolved_counts(slices, unresolved),
         pod_labels={k: dict(v) for k, v in (inp.pod_labels or {}).items()},
         pod_uids=pod_uids,
     )
+
+
+def _unresolved_counts(slices: Mapping[DeviceKey, SliceDevice], unresolved: Mapping[str, set[str]]) -> dict[str, int]:
+    """Unresolved devices per driver, with 0 for every DRA driver this node's slices publish:
+    alerts and dashboards can then tell "all resolved" from "not known" (no slices listed)."""
+    counts = dict.fromkeys((key[0] for key in slices), 0)
+    counts.update((drv, len(devs)) for drv, devs in unresolved.items())
+    return dict(sorted(counts.items()))
 
 
 def _claims(rows: Iterable[AllocationView], by_uuid: Mapping[str, DeviceView]) -> Iterable[ClaimView]:

@@ -10,6 +10,12 @@ in milliseconds, not at the next collection cycle). Each pass:
    :func:`exporter.remediation.plan.decide` what to do;
 3. executes the decisions, emitting an Event for each, retrying failed writes on the next pass.
 
+Everything held back is counted once per episode under a :class:`~.reasons.Suppression` and told
+in one Warning Event, including a cluster that serves no DeviceTaintRule API at all.
+
+A person clears a sticky device by deleting its rule (or removing the rule's sticky label): the
+next resync notices and clears the health engine's sticky state of the physical GPU.
+
 Rule names are deterministic per (node, driver, pool, device), so a retry after a timeout can
 never create a duplicate: the server answers 409 and the existing rule is adopted.
 """
@@ -37,11 +43,18 @@ from ..metrics.render import TaintRuleView
 from ..model.join import effective_health
 from ..model.snapshot import Snapshot
 from . import names
-from .plan import EFFECT_RANK, Decision, OwnedRule, Safety, Target, decide
+from .plan import ADMIN_DELETED, EFFECT_RANK, EVIDENCE_MAX, Decision, OwnedRule, Safety, Target, decide
+from .reasons import Suppression
 
 log = structlog.get_logger(__name__)
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+NO_API_KEY = ("api", "", "")  # announcement key of the cluster-wide "no DeviceTaintRule API"
+NODE_KEY = ("node", "", "")  # announcement key of node-wide episodes
+
+
+class NameTaken(Exception):
+    """A rule with our deterministic name exists and is not ours: never touch it."""
 
 
 @dataclass
@@ -77,6 +90,8 @@ def _rule_from_object(obj: dict) -> OwnedRule | None:
             effect=taint.get("effect", "None"),
             tier=labels.get(names.TIER_LABEL, ""),
             reason=ann.get(names.REASON_ANNOTATION, ""),
+            evidence=ann.get(names.EVIDENCE_ANNOTATION, ""),
+            sticky=labels.get(names.STICKY_LABEL, "").lower() == "true",
             uid=meta.get("uid", ""),
             managed=ann.get(names.UNMANAGED_ANNOTATION, "true").lower() != "false",
         )
@@ -121,7 +136,7 @@ class Remediator:
         self._cluster_gpus_at = -math.inf
         self._noexecute_times: deque[float] = deque()
         self._admin_deleted: dict[tuple[str, str, str], float] = {}
-        self._announced: set[tuple[str, str]] = set()  # (key, suppression) already told in an Event
+        self._announced: set[tuple[tuple[str, str, str], str]] = set()  # (key, suppression) already told in an Event
         self._plugin_notified: dict[str, str] = {}
         self._index = DeviceIndex(())
         self._identities: tuple = ()
@@ -207,15 +222,17 @@ class Remediator:
                         self.owned[key] = r
                         adopted.append(r)
                     else:
-                        mine.managed, mine.uid, mine.effect = r.managed, r.uid, r.effect
+                        if mine.sticky and not r.sticky:
+                            # A person took the sticky label off: the device is trusted again
+                            # and the rule steps down like any other once the device is healthy.
+                            log.warning("sticky_label_removed", rule=mine.name, device=mine.device)
+                            self._clear_sticky(mine)
+                        mine.managed, mine.uid, mine.effect, mine.sticky = r.managed, r.uid, r.effect, r.sticky
                 for key, mine in list(self.owned.items()):
                     if key not in found and not mine.virtual and self._adopted:
                         # Gone without us deleting it: an admin cleared it. Respect that.
-                        del self.owned[key]
-                        self._admin_deleted[key] = self.clock()
                         log.warning("rule_deleted_by_someone_else", rule=mine.name, device=mine.device)
-                        if mine.uuid:
-                            self.health.clear_sticky(mine.uuid)
+                        self._deleted_by_someone(key, mine)
             for r in adopted:
                 self._adopted_event(r, "found carrying this agent's labels (agent restarted)")
             self._adopted = True
@@ -224,6 +241,22 @@ class Remediator:
             self._kill_switch = self._node_kill_switch()
             self._count_cluster_gpus()
         self._last_resync = now
+
+    def _deleted_by_someone(self, key: tuple[str, str, str], rule: OwnedRule) -> None:
+        """Not recreated without new evidence; a sticky device counts as cleared by hand."""
+        with self._lock:
+            self.owned.pop(key, None)
+        self._admin_deleted[key] = self.clock()
+        self._clear_sticky(rule)
+
+    def _clear_sticky(self, rule: OwnedRule) -> None:
+        if not rule.uuid:
+            return
+        # Failure history (and so stickiness) is kept per physical GPU: a MIG device's rule
+        # clears the GPU it lives on.
+        with self._lock:
+            parents = {i.uuid: i.parent_uuid for i in self._identities if i.is_partition}
+        self.health.clear_sticky(parents.get(rule.uuid) or rule.uuid)
 
     def _node_kill_switch(self) -> bool:
         try:
@@ -278,7 +311,15 @@ class Remediator:
     def reconcile(self) -> None:
         if self.mode == TaintMode.OFF:
             return
-        self._resync()
+        try:
+            self._resync()
+            supports_none = True if self.mode == TaintMode.DRY_RUN else self.rules.served().supports_none
+        except TaintRulesUnavailable as e:
+            # The pass still fails (collector success 0, retried with backoff, so enabling the
+            # API later is picked up), but a person is told once, not once per retry.
+            self._announce_once(NO_API_KEY, Suppression.NO_API, f"GPU faults on this node get no DeviceTaintRule: {e}. Health is reported in metrics only.")
+            raise
+        self._announced.discard((NO_API_KEY, Suppression.NO_API.value))  # served again: a later loss is news
         now = self.clock()
         health = self.health.all_health()
         parents = {i.uuid: i.parent_uuid for i in self._identities if i.is_partition}
@@ -289,15 +330,12 @@ class Remediator:
         window = self.cfg.taint_rate_window
         while self._noexecute_times and now - self._noexecute_times[0] > window:
             self._noexecute_times.popleft()
-        supports_none = True
-        if self.mode != TaintMode.DRY_RUN:
-            supports_none = self.rules.served().supports_none
         budget = self.budget()
         self.budget_exhausted = self._cluster_noexecute >= budget
         if node_fault:
-            self._announce_once(("node", "", ""), "node_fault", f"{len(fatal)} of {len(physical)} GPUs failed at once: treating it as a node problem, NoSchedule only")
+            self._announce_once(NODE_KEY, Suppression.NODE_FAULT, f"{len(fatal)} of {len(physical)} GPUs failed at once: treating it as a node problem, NoSchedule only")
         else:
-            self._announced.discard((("node", "", ""), "node_fault"))  # the episode is over
+            self._announced.discard((NODE_KEY, Suppression.NODE_FAULT.value))  # the episode is over
 
         covered: set[str] = set()
         for t in targets:
@@ -323,7 +361,10 @@ class Remediator:
                 # precondition): report it and go on, or one bad device would block every
                 # device sorted after it on every pass.
                 log.error("remediation_write_rejected", device=t.device, action=d.action, error=str(e))
-                self._announce_once(t.key, "api_rejected", f"{t.device}: the API server refused to {d.action} its DeviceTaintRule: {e}")
+                self._announce_once(t.key, Suppression.API_REJECTED, f"{t.device}: the API server refused to {d.action} its DeviceTaintRule: {e}")
+            except NameTaken as e:
+                log.error("rule_name_taken", rule=str(e), device=t.device)
+                self._announce_once(t.key, Suppression.NAME_CONFLICT, f"{t.device}: a DeviceTaintRule named {e} exists and is not this agent's; left alone, so {t.uuid} is not tainted")
         self._retire_unpublished(now)
         if getattr(self.slices, "synced", True):
             # Before the first slice list every GPU would look device-plugin managed.
@@ -354,9 +395,11 @@ class Remediator:
                 log.error("remediation_write_rejected", device=rule.device, action="delete", error=str(e))
 
     def _apply(self, t: Target, h: DeviceHealth, rule: OwnedRule | None, d: Decision, now: float) -> None:
-        # node_fault is told once for the node (in reconcile), not once per device.
-        if d.suppressed and d.action in ("create", "update", "nothing", "keep") and d.suppressed not in ("admin_deleted", "node_fault"):
-            self._announce_once(t.key, d.suppressed, f"{t.device}: {d.suppressed.replace('_', ' ')} limits remediation of {h.worst.value if h.worst else 'healthy'} device {t.uuid}")
+        # node_fault is told once for the node (in reconcile), not once per device; an admin's
+        # deletion is respected silently (ADMIN_DELETED is no Suppression).
+        what = _suppression(d.suppressed)
+        if what is not None and what != Suppression.NODE_FAULT and d.action in ("create", "update", "refresh", "nothing", "keep"):
+            self._announce_once(t.key, what, f"{t.device}: {what.value.replace('_', ' ')} limits remediation of {h.worst.value if h.worst else 'healthy'} device {t.uuid}")
         if d.action in ("nothing", "keep"):
             if rule is not None and d.calm_since != rule.calm_since and d.action == "keep":
                 rule.calm_since = d.calm_since
@@ -364,6 +407,8 @@ class Remediator:
             self._create(t, h, d, now)
         elif d.action == "update":
             self._update(t, rule, d, now)
+        elif d.action == "refresh":
+            self._refresh(t, rule, d, now)
         elif d.action == "delete":
             self._delete(t, rule, d)
         if not d.suppressed and self._announced:
@@ -372,14 +417,19 @@ class Remediator:
             # refusing must not be announced again on every pass.)
             self._announced = {tag for tag in self._announced if tag[0] != t.key}
 
-    def _labels(self, tier: str) -> dict:
-        return {names.MANAGED_BY: names.MANAGED_BY_VALUE, names.NODE_LABEL: self.node, names.TIER_LABEL: tier}
+    def _labels(self, tier: str, sticky: bool) -> dict:
+        labels = {names.MANAGED_BY: names.MANAGED_BY_VALUE, names.NODE_LABEL: self.node, names.TIER_LABEL: tier}
+        if sticky:
+            # Only ever added by the agent; taking it off (or deleting the rule) is the person's
+            # "cleared" (see _resync), so patches never remove it.
+            labels[names.STICKY_LABEL] = "true"
+        return labels
 
     def _annotations(self, t: Target, d: Decision, first_seen: float | None) -> dict:
         return {
             names.UUID_ANNOTATION: t.uuid,
             names.REASON_ANNOTATION: d.reason,
-            names.EVIDENCE_ANNOTATION: d.evidence[:1024],
+            names.EVIDENCE_ANNOTATION: d.evidence[:EVIDENCE_MAX],
             names.FIRST_SEEN_ANNOTATION: micro_time(first_seen or self.clock()),
         }
 
@@ -391,7 +441,10 @@ class Remediator:
         name = names.rule_name(self.node, t.driver, t.pool, t.device)
         key = f"{names.TAINT_DOMAIN}/{d.tier}"
         first = self._first_seen(h, d.tier)
-        rule = OwnedRule(name=name, driver=t.driver, pool=t.pool, device=t.device, uuid=t.uuid, effect=d.effect, tier=d.tier, reason=d.reason, created_at=now)
+        rule = OwnedRule(
+            name=name, driver=t.driver, pool=t.pool, device=t.device, uuid=t.uuid, effect=d.effect, tier=d.tier, reason=d.reason,
+            evidence=d.evidence[:EVIDENCE_MAX], sticky=d.sticky, created_at=now, refreshed_at=now,
+        )
         if self.mode == TaintMode.DRY_RUN:
             rule.virtual = True
             with self._lock:
@@ -399,7 +452,7 @@ class Remediator:
             self.actions["dry_run"] += 1
             log.warning("taint_dry_run", rule=name, device=t.device, uuid=t.uuid, effect=d.effect, reason=d.reason)
             return
-        body = self.rules.body(name, t.driver, t.pool, t.device, key, names.label_value(d.reason), d.effect, self._labels(d.tier), self._annotations(t, d, first))
+        body = self.rules.body(name, t.driver, t.pool, t.device, key, names.label_value(d.reason), d.effect, self._labels(d.tier, d.sticky), self._annotations(t, d, first))
         try:
             created = self.rules.create(body)
             self.actions["create"] += 1
@@ -409,9 +462,7 @@ class Remediator:
             existing = self.rules.get(name)
             adopted = _rule_from_object(existing) if existing else None
             if adopted is None or (existing.get("metadata", {}).get("labels") or {}).get(names.MANAGED_BY) != names.MANAGED_BY_VALUE:
-                log.error("rule_name_taken", rule=name)
-                self.suppressed["name_conflict"] += 1
-                return
+                raise NameTaken(name) from None
             with self._lock:
                 self.owned[t.key] = adopted
             self.actions["adopt"] += 1
@@ -438,15 +489,14 @@ class Remediator:
             warning=True,
         )
 
-    def _update(self, t: Target, rule: OwnedRule, d: Decision, now: float) -> None:
-        if rule.virtual:
-            rule.effect, rule.tier, rule.calm_since = d.effect, d.tier, None
-            self.actions["dry_run"] += 1
-            log.warning("taint_dry_run", rule=rule.name, device=t.device, effect=d.effect)
-            return
-        raising = EFFECT_RANK.get(d.effect, 0) > EFFECT_RANK.get(rule.effect, 0)
+    def _patch(self, t: Target, rule: OwnedRule, d: Decision, now: float) -> bool:
+        """Write ``d``'s effect, tier, reason, evidence and sticky mark onto the rule (one merge
+        patch, same name and uid). False when the rule turned out to be gone."""
         patch = {
-            "metadata": {"labels": self._labels(d.tier), "annotations": {names.REASON_ANNOTATION: d.reason, names.EVIDENCE_ANNOTATION: d.evidence[:1024]}},
+            "metadata": {
+                "labels": self._labels(d.tier, d.sticky),
+                "annotations": {names.REASON_ANNOTATION: d.reason, names.EVIDENCE_ANNOTATION: d.evidence[:EVIDENCE_MAX]},
+            },
             "spec": {"taint": {"key": f"{names.TAINT_DOMAIN}/{d.tier}", "value": names.label_value(d.reason), "effect": d.effect}},
         }
         try:
@@ -454,13 +504,43 @@ class Remediator:
         except ApiError as e:
             if e.status == 404:
                 # Deleted behind our back since the last resync: an admin cleared it.
-                with self._lock:
-                    self.owned.pop(t.key, None)
-                self._admin_deleted[t.key] = self.clock()
-                return
+                log.warning("rule_deleted_by_someone_else", rule=rule.name, device=rule.device)
+                self._deleted_by_someone(t.key, rule)
+                return False
             raise
+        rule.tier, rule.reason, rule.evidence, rule.refreshed_at = d.tier, d.reason, d.evidence[:EVIDENCE_MAX], now
+        rule.sticky = rule.sticky or d.sticky
+        return True
+
+    def _refresh(self, t: Target, rule: OwnedRule, d: Decision, now: float) -> None:
+        """Same effect, newer record. Told in an Event when it says something new to a person
+        (another reason, the device turned sticky); evidence-only refreshes are not."""
+        if rule.virtual:
+            rule.reason, rule.evidence, rule.sticky, rule.refreshed_at = d.reason, d.evidence[:EVIDENCE_MAX], rule.sticky or d.sticky, now
+            return
+        old_reason, was_sticky = rule.reason, rule.sticky
+        if not self._patch(t, rule, d, now):
+            return
+        self.actions["refresh"] += 1
+        log.info("rule_refreshed", rule=rule.name, device=t.device, reason=d.reason, sticky=rule.sticky)
+        ref = {"apiVersion": self.rules.api_version, "kind": "DeviceTaintRule", "name": rule.name}
+        if rule.sticky and not was_sticky:
+            self.events.record(ref, "GPUTaintSticky", f"{t.device} ({t.uuid}) failed too often: rule {rule.effect} stays until a person deletes it or removes its label {names.STICKY_LABEL}", "Taint", warning=True)
+        elif d.reason != old_reason:
+            self.events.record(ref, "GPUTaintUpdated", f"{t.device} ({t.uuid}) still {rule.effect}: reason {old_reason or 'unknown'} -> {d.reason}. {d.evidence}", "Taint")
+
+    def _update(self, t: Target, rule: OwnedRule, d: Decision, now: float) -> None:
+        if rule.virtual:
+            rule.effect, rule.tier, rule.calm_since = d.effect, d.tier, None
+            rule.reason, rule.evidence, rule.refreshed_at = d.reason, d.evidence[:EVIDENCE_MAX], now
+            self.actions["dry_run"] += 1
+            log.warning("taint_dry_run", rule=rule.name, device=t.device, effect=d.effect)
+            return
+        raising = EFFECT_RANK.get(d.effect, 0) > EFFECT_RANK.get(rule.effect, 0)
         old = rule.effect
-        rule.effect, rule.tier, rule.reason, rule.calm_since = d.effect, d.tier, d.reason, None
+        if not self._patch(t, rule, d, now):
+            return
+        rule.effect, rule.calm_since = d.effect, None
         self.actions["update"] += 1
         if d.effect == "NoExecute" and old != "NoExecute":
             self._noexecute_times.append(now)
@@ -499,14 +579,18 @@ class Remediator:
             "Adopt",
         )
 
-    def _announce_once(self, key: tuple[str, str, str], what: str, note: str) -> None:
-        """One Warning Event and one counter increment per (device, suppression) episode."""
-        tag = (key, what)
+    def _announce_once(self, key: tuple[str, str, str], what: Suppression, note: str) -> None:
+        """One Warning Event and one counter increment per (device, suppression) episode.
+
+        The only place ``suppressed`` is counted, and only with a :class:`Suppression`, so the
+        metric's documented reasons (from the same enum) are all the reasons it can carry."""
+        what = Suppression(what)  # a stray string fails here, in tests, not in a dashboard
+        tag = (key, what.value)
         if tag in self._announced:
             return
         self._announced.add(tag)
-        self.suppressed[what] += 1
-        log.warning("remediation_suppressed", what=what, device=key[2] or None, note=note)
+        self.suppressed[what.value] += 1
+        log.warning("remediation_suppressed", what=what.value, device=key[2] or None, note=note)
         if self.mode != TaintMode.DRY_RUN:
             self.events.record(node_ref(self.node), "HealthRemediationSuppressed", note, "Taint", warning=True)
 
@@ -534,3 +618,11 @@ class Remediator:
                 for r in sorted(self.owned.values(), key=lambda r: r.key)
                 if not r.virtual
             )
+
+
+def _suppression(value: str) -> Suppression | None:
+    """The Suppression a decision carries, if any ("" and ADMIN_DELETED are none). Anything
+    else must be a Suppression: a stray string raises here, in tests, not in a dashboard."""
+    if not value or value == ADMIN_DELETED:
+        return None
+    return Suppression(value)

@@ -14,7 +14,16 @@ Safety, in the order applied to a rule that would *raise* the effect to NoExecut
   * cluster-wide budget used up -> None (NoSchedule where None is not served).
 Lowering an effect is never blocked by them. The kill switch and ``managed=false`` stop
 every write. A rule is lowered one step per hold period (NoExecute -> NoSchedule -> gone), so a
-device that recovers and re-fails does not flap its taint.
+device that recovers and re-fails does not flap its taint. A *sticky* rule (the device re-failed
+too often, or the rule carries the sticky label) is never lowered: only a person clears it, by
+deleting the rule or removing the label.
+
+A rule whose effect and tier are right but whose record is not (another reason, newer evidence,
+sticky not yet marked) is *refreshed*: its labels, annotations and taint value are rewritten,
+its effect is not. Sticky is marked at once; reason and evidence at most every
+``RECORD_REFRESH`` seconds after the rule was last written, so an event storm on a tainted GPU is
+not also a write storm on the API server, and conditions that clear one after the other while
+the device recovers do not rename a rule that is about to step down anyway.
 """
 
 from __future__ import annotations
@@ -23,9 +32,15 @@ from dataclasses import dataclass
 
 from ..config import TaintMode
 from ..health.model import DeviceHealth, Tier
+from .reasons import Suppression
 
 EFFECT_RANK = {"None": 0, "NoSchedule": 1, "NoExecute": 2}
 TIER_EFFECT = {Tier.FATAL: "NoExecute", Tier.DEGRADED: "NoSchedule", Tier.INFORMATIONAL: "None"}
+EVIDENCE_MAX = 1024  # characters of evidence kept in the rule's annotation
+RECORD_REFRESH = 60.0  # seconds between two rewrites of a rule's reason and evidence
+# A decision-only note, never counted or announced: an admin deleted the rule and no new
+# evidence has come since, so not recreating it is what they asked for.
+ADMIN_DELETED = "admin_deleted"
 
 
 @dataclass(frozen=True)
@@ -52,12 +67,15 @@ class OwnedRule:
     effect: str
     tier: str
     reason: str = ""
+    evidence: str = ""  # as written in the rule's annotation (at most EVIDENCE_MAX characters)
+    sticky: bool = False  # carries the sticky label: only a person clears it
     uid: str = ""
     managed: bool = True
     calm_since: float | None = None  # since when the device has wanted less than this rule
     gone_since: float | None = None  # since when this node no longer publishes the device
     created_at: float | None = None
     virtual: bool = False  # dry-run: what would exist; never written, never exported as a rule
+    refreshed_at: float | None = None  # when this agent last wrote reason and evidence
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -75,12 +93,13 @@ class Safety:
 
 @dataclass(frozen=True)
 class Decision:
-    action: str  # nothing | create | update | delete | keep
+    action: str  # nothing | create | update | refresh | delete | keep
     effect: str = ""
     tier: str = ""
     reason: str = ""
     evidence: str = ""
-    suppressed: str = ""  # why the effect is lower than the tier asks, or why nothing was written
+    sticky: bool = False
+    suppressed: str = ""  # a Suppression (or ADMIN_DELETED) when held back; "" when not
     calm_since: float | None = None
     why: str = ""  # for delete: recovered | hardware_swap | device_gone
 
@@ -100,12 +119,21 @@ def _limit(effect: str, safety: Safety) -> tuple[str | None, str]:
     if effect != "NoExecute":
         return effect, ""
     if safety.node_fault:
-        return "NoSchedule", "node_fault"
+        return "NoSchedule", Suppression.NODE_FAULT
     if not safety.rate_ok:
-        return "NoSchedule", "rate_limit"
+        return "NoSchedule", Suppression.RATE_LIMIT
     if not safety.budget_ok:
-        return ("None" if safety.supports_none else "NoSchedule"), "budget"
+        return ("None" if safety.supports_none else "NoSchedule"), Suppression.BUDGET
     return effect, ""
+
+
+def _stale(rule: OwnedRule, reason: str, evidence: str, sticky: bool, now: float) -> bool:
+    """Whether the rule's record (reason, evidence, sticky label) is due to be rewritten."""
+    if sticky and not rule.sticky:
+        return True  # a person has to find it: at once
+    if reason == rule.reason and evidence[:EVIDENCE_MAX] == rule.evidence:
+        return False
+    return rule.refreshed_at is None or now - rule.refreshed_at >= RECORD_REFRESH
 
 
 def decide(
@@ -119,17 +147,24 @@ def decide(
     admin_deleted_at: float | None = None,
 ) -> Decision:
     effect, tier = wanted(health, mode, safety.supports_none)
-    worst = next((c for c in health.conditions if c.tier == tier), None)
+    candidates = [c for c in health.conditions if c.tier == tier]
+    # A rule keeps naming the condition it was written for while that condition holds: one more
+    # condition of the same tier is no news for the rule (gpu_health_condition shows it), and
+    # following the sort order instead would rewrite the rule with every condition that comes.
+    worst = next((c for c in candidates if rule is not None and c.reason == rule.reason), None) or next(iter(candidates), None)
     reason = worst.reason if worst else ""
     evidence = worst.evidence if worst else ""
+    # Sticky until a person clears it: the health engine's verdict, or the label on the rule
+    # (which outlives the agent process and its in-memory failure history).
+    sticky = health.sticky or (rule is not None and rule.sticky)
 
     if rule is not None and not rule.managed:
-        return Decision("nothing", suppressed="unmanaged")
+        return Decision("nothing", suppressed=Suppression.UNMANAGED)
     if rule is not None and rule.uuid and target.uuid and rule.uuid != target.uuid:
         # Rules select by name; another GPU now answers to this name, so the rule's evidence
         # is about hardware that is gone.
         if safety.kill_switch:
-            return Decision("keep", suppressed="kill_switch")
+            return Decision("keep", suppressed=Suppression.KILL_SWITCH)
         return Decision("delete", why="hardware_swap")
 
     if effect is None:
@@ -149,30 +184,44 @@ def decide(
         if limited is None:
             return Decision("nothing")
         if admin_deleted_at is not None and (worst is None or worst.last_seen <= admin_deleted_at):
-            return Decision("nothing", suppressed="admin_deleted")
+            return Decision("nothing", suppressed=ADMIN_DELETED)
         if safety.kill_switch:
-            return Decision("nothing", suppressed="kill_switch")
-        return Decision("create", effect=limited, tier=tier.value if tier else "", reason=reason, evidence=evidence, suppressed=suppressed)
+            return Decision("nothing", suppressed=Suppression.KILL_SWITCH)
+        return Decision("create", effect=limited, tier=tier.value if tier else "", reason=reason, evidence=evidence, sticky=sticky, suppressed=suppressed)
 
     current = EFFECT_RANK.get(rule.effect, 0)
     target_rank = EFFECT_RANK[limited] if limited is not None else -1
     if target_rank > current or (target_rank == current and limited is not None and tier is not None and tier.value != rule.tier):
         if safety.kill_switch:
-            return Decision("keep", suppressed="kill_switch")
-        return Decision("update", effect=limited, tier=tier.value if tier else rule.tier, reason=reason, evidence=evidence, suppressed=suppressed)
+            return Decision("keep", suppressed=Suppression.KILL_SWITCH)
+        return Decision("update", effect=limited, tier=tier.value if tier else rule.tier, reason=reason, evidence=evidence, sticky=sticky, suppressed=suppressed)
     if target_rank == current:
+        if _stale(rule, reason, evidence, sticky, now):
+            if safety.kill_switch:
+                return Decision("keep", suppressed=Suppression.KILL_SWITCH)
+            return Decision("refresh", effect=rule.effect, tier=rule.tier, reason=reason, evidence=evidence, sticky=sticky, suppressed=suppressed)
         return Decision("keep", suppressed=suppressed)
 
+    if sticky:
+        # Re-failed too often: whatever the device says now, a person decides when it is
+        # trusted again. The rule is never lowered, only marked (once) so that person finds it.
+        if rule.sticky:
+            return Decision("keep", suppressed=suppressed)
+        if safety.kill_switch:
+            return Decision("keep", suppressed=Suppression.KILL_SWITCH)
+        return Decision("refresh", effect=rule.effect, tier=rule.tier, reason=reason or rule.reason, evidence=evidence if reason else rule.evidence, sticky=True, suppressed=suppressed)
     # The device wants less than the rule says: step down once the hold period has passed.
     calm = rule.calm_since if rule.calm_since is not None else now
     if now - calm < hold:
         return Decision("keep", calm_since=calm)
     if safety.kill_switch:
-        return Decision("keep", calm_since=calm, suppressed="kill_switch")
+        return Decision("keep", calm_since=calm, suppressed=Suppression.KILL_SWITCH)
     if rule.effect == "NoExecute" and target_rank < EFFECT_RANK["NoSchedule"]:
         step = "NoSchedule"
     else:
         step = limited
     if step is None or (step == "None" and rule.effect == "None"):
         return Decision("delete", why="recovered")
-    return Decision("update", effect=step, tier=tier.value if (tier is not None and step == limited) else rule.tier, reason=reason or rule.reason, evidence=evidence, calm_since=None)
+    # A device with nothing left to show keeps the record of why it was tainted.
+    reason, evidence = (reason, evidence) if reason else (rule.reason, rule.evidence)
+    return Decision("update", effect=step, tier=tier.value if (tier is not None and step == limited) else rule.tier, reason=reason, evidence=evidence, calm_since=None)

@@ -167,6 +167,9 @@ def handle(app: FakeApiServer, h: ApiRequestHandler, method: str) -> None:
 def _send(app: FakeApiServer, h: ApiRequestHandler, rec: RequestRecord, code: int, body: Any,
           headers: dict[str, str] | None = None, content_type: str = "application/json") -> None:
     data = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":")).encode()
+    # Record the status before the client can read the response: a test that has its answer
+    # must find the request logged with its status, not still 0.
+    app.faults.set_status(rec, code)
     h.send_response(code)
     h.send_header("Content-Type", content_type)
     h.send_header("Content-Length", str(len(data)))
@@ -176,7 +179,6 @@ def _send(app: FakeApiServer, h: ApiRequestHandler, rec: RequestRecord, code: in
         h.send_header(k, v)
     h.end_headers()
     h.wfile.write(data)
-    app.faults.set_status(rec, code)
 
 
 def _version_doc(app: FakeApiServer) -> dict[str, str]:
@@ -345,13 +347,13 @@ def _serve_watch(app: FakeApiServer, h: ApiRequestHandler, t: Target, selector: 
         if err.code != 410:
             raise
         expired = err  # the real server answers 200 and sends the 410 as an ERROR event
+    app.faults.set_status(rec, 200)  # before the client can see the answer (see _send)
     h.send_response(200)
     h.send_header("Content-Type", "application/json")
     h.send_header("Transfer-Encoding", "chunked")
     h.send_header("Audit-Id", str(uuid.uuid4()))
     h.send_header("Cache-Control", "no-cache, private")
     h.end_headers()
-    app.faults.set_status(rec, 200)
     h.close_connection = True
     with app.store.lock:
         epoch = app._watch_epoch
