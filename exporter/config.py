@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import ipaddress
 import os
 import re
 import socket
@@ -31,8 +32,20 @@ class TaintMode(str, enum.Enum):
     ENFORCE = "enforce"  # write rules with the tier's effect
 
 
+# What str.splitlines() splits at, and other control characters: escaped in messages.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _one_line(message: str) -> str:
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), message)
+
+
 class ConfigError(ValueError):
-    """A configuration value is unusable. The message is shown to the user as is."""
+    """A configuration value is unusable. The message is shown to the user as is, on one line:
+    some messages quote a path verbatim, and a path may hold a newline."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(_one_line(message))
 
 
 @dataclass(frozen=True)
@@ -74,9 +87,22 @@ def _env(name: str) -> str | None:
 
 
 def parse_listen(value: str) -> tuple[str, int]:
-    m = re.fullmatch(r"(?:\[(?P<v6>[0-9a-fA-F:]+)\]|(?P<host>[^:\s\[\]]*)):(?P<port>\d{1,5})", value.strip())
+    # A host name or IPv4 address is letters, digits, dots, dashes (and underscores, which
+    # /etc/hosts tolerates); anything else (a NUL, a slash) could only fail later, at bind time,
+    # with exit code 1 instead of this one line.
+    m = re.fullmatch(r"(?:\[(?P<v6>[^\]]*)\]|(?P<host>[A-Za-z0-9._-]*)):(?P<port>\d{1,5})", value.strip())
     if not m:
         raise ConfigError(f"--listen {value!r}: expected HOST:PORT, e.g. 0.0.0.0:9402 or [::]:9402")
+    if m.group("v6") is not None:
+        # an address check, not a character class: [::ffff:1.2.3.4] and [fe80::1%eth0] are
+        # fine, [1:2:3:4:5:6:7:8:9] is not; ipaddress takes any scope id, an interface does not
+        try:
+            ipaddress.IPv6Address(m.group("v6"))
+            ok = re.fullmatch(r"[0-9A-Fa-f:.]+(%[A-Za-z0-9._-]{1,15})?", m.group("v6")) is not None
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(f"--listen {value!r}: {m.group('v6')!r} is not an IPv6 address")
     host = m.group("v6") or m.group("host") or "0.0.0.0"
     port = int(m.group("port"))
     if not 0 <= port <= 65535:
@@ -104,6 +130,15 @@ def _positive_float(flag: str, value: str, lo: float, hi: float) -> float:
     return v
 
 
+def _is_file(path: str) -> bool:
+    # Path.is_file() swallows only ENOENT, ENOTDIR, EBADF and ELOOP: a name too long
+    # (ENAMETOOLONG) or a directory we may not search (EACCES) raised OSError, a traceback
+    try:
+        return Path(path).is_file()
+    except OSError:
+        return False
+
+
 def check_kubelet_socket(path: str) -> str | None:
     """Return a problem description, or None when the socket looks usable.
 
@@ -116,8 +151,14 @@ def check_kubelet_socket(path: str) -> str | None:
         return "--kubelet-socket: empty path"
     # sockaddr_un.sun_path holds 107 bytes plus a NUL: a longer path can never be connected to,
     # so waiting for the kubelet to create it would wait forever.
-    if len(os.fsencode(os.path.abspath(path))) > 107:
+    try:
+        encoded = os.fsencode(os.path.abspath(path))
+    except UnicodeEncodeError:  # a lone surrogate: no file system name
+        return f"--kubelet-socket {path!r}: not a valid path"
+    if len(encoded) > 107:
         return f"--kubelet-socket {path}: path too long for a unix socket (at most 107 bytes)"
+    if b"\0" in encoded:  # stat() raises ValueError for it, not OSError
+        return f"--kubelet-socket {path!r}: not a valid path (NUL byte)"
     try:
         st = p.stat()
     except FileNotFoundError:
@@ -157,7 +198,8 @@ class _Parser(argparse.ArgumentParser):
     the whole usage text followed by the message."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        # one line even when it quotes an unrecognized argument with a newline in it
+        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,15 +239,17 @@ def _bool(flag: str, value: str) -> bool:
 
 def resolve(ns: argparse.Namespace) -> Config:
     """Merge flags over environment over defaults, and validate."""
-    from_env: set[str] = set()
+    from_env: dict[str, str] = {}  # flag -> the environment variable its value came from
 
-    def pick(name: str) -> str | None:
+    def pick(name: str, fallback: str | None = None) -> str | None:
+        """The flag, else its DRA_GPU_EXPORTER_ variable; when both are empty, ``fallback``
+        (another variable, e.g. the downward API's NODE_NAME)."""
         v = getattr(ns, name.replace("-", "_"), None)
-        if v is not None:
-            return v
-        v = _env(name)
-        if v is not None:
-            from_env.add(name)
+        if v is None and (v := _env(name)) is not None:
+            from_env[name] = ENV_PREFIX + name.upper().replace("-", "_")
+        if not v and fallback and (fv := os.environ.get(fallback)):
+            from_env[name] = fallback
+            return fv
         return v
 
     try:
@@ -215,11 +259,29 @@ def resolve(ns: argparse.Namespace) -> Config:
         # from, or the user looks for a flag that is not on the command line.
         m = re.match(r"--([a-z-]+)", str(e))
         if m and m.group(1) in from_env:
-            raise ConfigError(f"{e} (from {ENV_PREFIX}{m.group(1).upper().replace('-', '_')})") from None
+            raise ConfigError(f"{e} (from {from_env[m.group(1)]})") from None
         raise
 
 
-def _resolve(ns: argparse.Namespace, pick: Callable[[str], str | None]) -> Config:
+def _label_allowlist(value: str) -> tuple[str, ...]:
+    keys: list[str] = []
+    exported: dict[str, str] = {}
+    for k in (k.strip() for k in value.split(",")):
+        if not k or k in keys:  # a repeated key would be a repeated label on dra_pod_labels
+            continue
+        if not re.fullmatch(r"([a-z0-9.-]+/)?[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?", k):
+            raise ConfigError(f"--pod-label-allowlist: {k!r} is not a valid label key")
+        # dra_pod_labels exports each key as label_<key with [^a-zA-Z0-9_] as _>: two keys
+        # with one name would silently show only one of the two values
+        name = "label_" + re.sub(r"[^a-zA-Z0-9_]", "_", k)
+        if name in exported:
+            raise ConfigError(f"--pod-label-allowlist: {exported[name]!r} and {k!r} would both be exported as {name}")
+        exported[name] = k
+        keys.append(k)
+    return tuple(keys)
+
+
+def _resolve(ns: argparse.Namespace, pick: Callable[..., str | None]) -> Config:
 
     kw: dict = {}
     if (v := pick("listen")) is not None:
@@ -248,15 +310,14 @@ def _resolve(ns: argparse.Namespace, pick: Callable[[str], str | None]) -> Confi
     if (v := pick("per-process")) is not None:
         kw["per_process"] = _bool("--per-process", v)
     if (v := pick("pod-label-allowlist")) is not None:
-        keys = tuple(k.strip() for k in v.split(",") if k.strip())
-        for k in keys:
-            if not re.fullmatch(r"([a-z0-9.-]+/)?[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?", k):
-                raise ConfigError(f"--pod-label-allowlist: {k!r} is not a valid label key")
-        kw["pod_label_allowlist"] = keys
+        kw["pod_label_allowlist"] = _label_allowlist(v)
     if (v := pick("dcgm-compat-labels")) is not None:
         kw["dcgm_compat_labels"] = _bool("--dcgm-compat-labels", v)
     if (v := pick("taint-rate-limit")) is not None:
-        kw["taint_rate_limit"] = int(_positive_float("--taint-rate-limit", v, 0, 1000))
+        n = _positive_float("--taint-rate-limit", v, 0, 1000)
+        if n != int(n):  # a count of rules: 0.5 must not quietly become 0 (no taints at all)
+            raise ConfigError(f"--taint-rate-limit {v!r}: expected a whole number")
+        kw["taint_rate_limit"] = int(n)
     if (v := pick("taint-budget-fraction")) is not None:
         kw["taint_budget_fraction"] = _positive_float("--taint-budget-fraction", v, 0, 1)
     if (v := pick("taint-hold-seconds")) is not None:
@@ -265,7 +326,7 @@ def _resolve(ns: argparse.Namespace, pick: Callable[[str], str | None]) -> Confi
     demo = getattr(ns, "command", None) == "demo"
     if demo:
         if (v := pick("scenario")) is not None:
-            if not Path(v).is_file():
+            if not _is_file(v):
                 raise ConfigError(f"--scenario {v}: no such file")
             kw["scenario"] = v
         if (v := pick("time-scale")) is not None:
@@ -276,7 +337,7 @@ def _resolve(ns: argparse.Namespace, pick: Callable[[str], str | None]) -> Confi
             kw["listen_host"], kw["listen_port"] = "127.0.0.1", 9402
         return Config(**kw)
 
-    node = pick("node-name") or os.environ.get("NODE_NAME") or ""
+    node = pick("node-name", fallback="NODE_NAME") or ""
     if node and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", node):
         raise ConfigError(f"--node-name {node!r}: not a valid Kubernetes node name")
     kw["node_name"] = node or socket.gethostname().lower()
@@ -286,7 +347,7 @@ def _resolve(ns: argparse.Namespace, pick: Callable[[str], str | None]) -> Confi
     if problem and problem != "missing":
         raise ConfigError(problem)
     if (v := pick("kubeconfig")) is not None:
-        if not Path(v).is_file():
+        if not _is_file(v):
             raise ConfigError(f"--kubeconfig {v}: no such file")
         kw["kubeconfig"] = v
     return Config(**kw)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import reprlib
 import uuid as uuidlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +23,34 @@ DRIVER = "gpu.nvidia.com"
 _NS = uuidlib.UUID("6f1c2f4e-1d0b-4c55-9a57-8a3c0e1d2b7a")
 
 
+# What str.splitlines() splits at, and other control characters: escaped in messages.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
 class ScenarioError(ValueError):
-    pass
+    """A scenario is unusable. The message names the place and is always one line: a name
+    or file name with a newline in it is escaped, so the demo's error stays one line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(_CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), message))
+
+
+class _ShortRepr(reprlib.Repr):
+    def repr_int(self, x: int, level: int) -> str:
+        # repr() of an int over 4300 digits raises ValueError; a message never needs the digits
+        return f"<{x.bit_length()}-bit integer>" if x.bit_length() > 256 else super().repr_int(x, level)
+
+
+_REPR = _ShortRepr()
+_REPR.maxstring = _REPR.maxother = 80
+_REPR.maxlevel = 2
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
+
+
+def _show(v: Any) -> str:
+    """repr() for messages, bounded: YAML aliases can make a small file hold a value that is
+    exponentially large when printed, and a message must stay one readable line."""
+    return _REPR.repr(v)
 
 
 @dataclass(frozen=True)
@@ -37,7 +64,14 @@ class Curve:
     phase: float = 0.0
 
     def at(self, t: float, lo: float = 0.0, hi: float = 1.0) -> float:
-        x = ((t + self.phase) / self.period) if self.period > 0 else 0.0
+        if self.period <= 0:
+            x = 0.0
+        elif self.pattern == "ramp":
+            x = (t + self.phase) / self.period  # may be inf (tiny period): min(x, 1) copes
+        else:
+            # the position within one period: (t + phase) / period overflows to inf for a tiny
+            # period or a huge phase, and sin(inf) raises
+            x = ((t + self.phase) % self.period) / self.period
         if self.pattern == "sine":
             w = math.sin(2 * math.pi * x)
         elif self.pattern == "square":
@@ -150,30 +184,53 @@ class Scenario:
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
+# Limits that keep every value the simulator derives finite and printable.
+_MAX_BYTES = 2**63 - 1  # sizes: beyond int64, float(size) overflows in the readings
+_MAX_INT = 2**31 - 1  # minors, placements, codes: str() of an int over 4300 digits raises
+_MAX_WATTS = 100_000.0  # so that power x simulated time (energy) stays finite
+_MAX_ECC_RATE = 1e6  # errors per minute: the count must stay a finite number over any run
+
+
 def parse_bytes(v: Any, where: str) -> int:
     if isinstance(v, bool):
-        raise ScenarioError(f"{where}: expected a size like 80Gi, got {v!r}")
+        raise ScenarioError(f"{where}: expected a size like 80Gi, got {_show(v)}")
     if isinstance(v, (int, float)):
-        if not (0 <= v < math.inf):
-            raise ScenarioError(f"{where}: must be a size >= 0, got {v!r}")
+        if not (0 <= v <= _MAX_BYTES):  # also rejects NaN; beyond int64, float(size) overflows
+            raise ScenarioError(f"{where}: must be a size from 0 to {_MAX_BYTES}, got {_show(v)}")
         return int(v)
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?|[kmgt]i?)?[Bb]?\s*", str(v))
     if not m:
-        raise ScenarioError(f"{where}: expected a size like 80Gi or 40GB, got {v!r}")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+        raise ScenarioError(f"{where}: expected a size like 80Gi or 40GB, got {_show(v)}")
+    n = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+    if not n <= _MAX_BYTES:  # 400 digits are a valid match, and int(inf) raises OverflowError
+        raise ScenarioError(f"{where}: size too large (at most {_MAX_BYTES} bytes), got {_show(v)}")
+    return int(n)
 
 
 def parse_duration(v: Any, where: str) -> float:
     if isinstance(v, bool):
-        raise ScenarioError(f"{where}: expected a duration like 90s or 5m, got {v!r}")
+        raise ScenarioError(f"{where}: expected a duration like 90s or 5m, got {_show(v)}")
     if isinstance(v, (int, float)):
         if not (0 <= v < math.inf):  # also rejects NaN
-            raise ScenarioError(f"{where}: must be a duration >= 0, got {v!r}")
-        return float(v)
+            raise ScenarioError(f"{where}: must be a duration >= 0, got {_show(v)}")
+        return _finite(v, where)
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*", str(v))
     if not m:
-        raise ScenarioError(f"{where}: expected a duration like 90s, 5m or 1h, got {v!r}")
-    return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[m.group(2)]
+        raise ScenarioError(f"{where}: expected a duration like 90s, 5m or 1h, got {_show(v)}")
+    # finite: 400 digits match the pattern, and an infinite phase makes sin() raise at read time
+    return _finite(float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[m.group(2)], where)
+
+
+def _finite(v: int | float, where: str) -> float:
+    """``v`` as a finite float. NaN and infinity are numbers to YAML (.nan, .inf) and JSON
+    (NaN, Infinity), and float() of a huge int raises OverflowError."""
+    try:
+        f = float(v)
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f):
+        raise ScenarioError(f"{where}: expected a finite number, got {_show(v)}")
+    return f
 
 
 class _Obj:
@@ -199,25 +256,28 @@ class _Obj:
     def str(self, key: str, default: str | None = None) -> str:
         v = self.req(key) if default is None else self.get(key, default)
         if not isinstance(v, str):
-            raise ScenarioError(f"{self.where}.{key}: expected a string, got {v!r}")
-        return v
+            raise ScenarioError(f"{self.where}.{key}: expected a string, got {_show(v)}")
+        return _text(v, f"{self.where}.{key}")
 
-    def num(self, key: str, default: float) -> float:
+    def num(self, key: str, default: float, lo: float = -math.inf, hi: float = math.inf) -> float:
         v = self.get(key, default)
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ScenarioError(f"{self.where}.{key}: expected a number, got {v!r}")
-        return float(v)
+            raise ScenarioError(f"{self.where}.{key}: expected a number, got {_show(v)}")
+        f = _finite(v, f"{self.where}.{key}")
+        if not lo <= f <= hi:
+            raise ScenarioError(f"{self.where}.{key}: must be between {lo:g} and {hi:g}, got {_show(v)}")
+        return f
 
     def int(self, key: str, default: int) -> int:
         v = self.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ScenarioError(f"{self.where}.{key}: expected a whole number >= 0, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= _MAX_INT:
+            raise ScenarioError(f"{self.where}.{key}: expected a whole number >= 0 (at most {_MAX_INT}), got {_show(v)}")
         return v
 
     def bool(self, key: str, default: bool) -> bool:
         v = self.get(key, default)
         if not isinstance(v, bool):
-            raise ScenarioError(f"{self.where}.{key}: expected true or false, got {v!r}")
+            raise ScenarioError(f"{self.where}.{key}: expected true or false, got {_show(v)}")
         return v
 
     def list(self, key: str) -> list:
@@ -229,20 +289,32 @@ class _Obj:
         return v
 
     def done(self) -> None:
-        extra = sorted(set(self.d) - self.used)
+        # str first: YAML keys can be numbers or null, and sorting mixed types raises TypeError
+        extra = sorted(_show(k) if not isinstance(k, str) else k for k in set(self.d) - self.used)
         if extra:
-            raise ScenarioError(f"{self.where}: unknown key(s) {', '.join(map(str, extra))}")
+            raise ScenarioError(f"{self.where}: unknown key(s) {', '.join(extra)}")
+
+
+
+def _text(v: str, where: str) -> str:
+    # YAML and JSON escapes can produce a lone surrogate ("\ud800"), which no UTF-8 consumer
+    # (the kubelet's protobuf messages, the API's JSON) can encode
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ScenarioError(f"{where}: not valid Unicode text, got {_show(v)}") from None
+    return v
 
 
 def _curve(v: Any, where: str, default: Curve) -> Curve:
     if v is None:
         return default
     if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return Curve(base=float(v))
+        return Curve(base=_finite(v, where))
     o = _Obj(v, where)
     pattern = o.str("pattern", "constant")
     if pattern not in ("constant", "sine", "square", "sawtooth", "ramp"):
-        raise ScenarioError(f"{where}.pattern: expected constant, sine, square, sawtooth or ramp, got {pattern!r}")
+        raise ScenarioError(f"{where}.pattern: expected constant, sine, square, sawtooth or ramp, got {_show(pattern)}")
     c = Curve(
         pattern=pattern,
         base=o.num("base", default.base),
@@ -275,14 +347,14 @@ def _parse_gpu(i: int, raw: Any, node: str) -> GpuSpec:
     minor = o.int("minor", i)
     uid = o.str("uuid", _stable_uuid("GPU", node, name))
     if not re.fullmatch(r"GPU-[0-9a-fA-F-]{8,}", uid):
-        raise ScenarioError(f"{where}.uuid: expected GPU-<hex uuid>, got {uid!r}")
+        raise ScenarioError(f"{where}.uuid: expected GPU-<hex uuid>, got {_show(uid)}")
     memory = parse_bytes(o.get("memory", "80Gi"), f"{where}.memory")
     pci = o.str("pci_bus_id", "%04x:%02x:00.0" % (i // 200, 0x18 + i % 200))
     from ..devices.model import normalize_pci_bus_id
 
     pci_n = normalize_pci_bus_id(pci)
     if not re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]", pci_n):
-        raise ScenarioError(f"{where}.pci_bus_id: expected a PCI address like 0000:1b:00.0, got {pci!r}")
+        raise ScenarioError(f"{where}.pci_bus_id: expected a PCI address like 0000:1b:00.0, got {_show(pci)}")
     util = _curve(o.get("utilization"), f"{where}.utilization", Curve(base=0.0))
     mem = _curve(o.get("memory_used"), f"{where}.memory_used", Curve(base=0.0))
     migs = []
@@ -292,13 +364,13 @@ def _parse_gpu(i: int, raw: Any, node: str) -> GpuSpec:
         profile = mo.str("profile")
         known = _MIG_PROFILES.get(profile)
         if known is None and "gi_profile_id" not in mo.d:
-            raise ScenarioError(f"{mw}.gi_profile_id: required for profile {profile!r} (known: {', '.join(_MIG_PROFILES)})")
+            raise ScenarioError(f"{mw}.gi_profile_id: required for profile {_show(profile)} (known: {', '.join(_MIG_PROFILES)})")
         gi = mo.int("gi_profile_id", known[0] if known else 0)
         start = mo.int("placement_start", j)
         mmem = parse_bytes(mo.get("memory", f"{known[1]}Gi" if known else "10Gi"), f"{mw}.memory")
         muid = mo.str("uuid", _stable_uuid("MIG", node, name, profile, str(start)))
         if not re.fullmatch(r"MIG-[0-9a-fA-F-]{8,}", muid):
-            raise ScenarioError(f"{mw}.uuid: expected MIG-<hex uuid>, got {muid!r}")
+            raise ScenarioError(f"{mw}.uuid: expected MIG-<hex uuid>, got {_show(muid)}")
         migs.append(
             MigSpec(
                 profile=profile,
@@ -314,6 +386,13 @@ def _parse_gpu(i: int, raw: Any, node: str) -> GpuSpec:
     starts = [m.placement_start for m in migs]
     if len(set(starts)) != len(starts):
         raise ScenarioError(f"{where}.mig: two instances share a placement_start")
+    # A MIG parent's activity is its instances' weighted by their share of its memory: with no
+    # memory that divides by zero, and with more in the instances than in the GPU it exceeds 1.
+    held = sum(m.memory_bytes for m in migs)
+    if migs and memory == 0:
+        raise ScenarioError(f"{where}.memory: a GPU in MIG mode needs memory")
+    if held > memory:
+        raise ScenarioError(f"{where}.memory: {memory} bytes, less than its MIG instances hold ({held})")
     g = GpuSpec(
         name=name,
         uuid=uid,
@@ -321,8 +400,10 @@ def _parse_gpu(i: int, raw: Any, node: str) -> GpuSpec:
         minor=minor,
         pci_bus_id=pci_n,
         memory_bytes=memory,
-        power_limit_watts=o.num("power_limit_watts", 700.0),
-        idle_power_watts=o.num("idle_power_watts", 70.0),
+        # watts >= 0 (energy is a counter: negative power would run it backwards), bounded so
+        # that power x simulated time stays finite
+        power_limit_watts=o.num("power_limit_watts", 700.0, 0, _MAX_WATTS),
+        idle_power_watts=o.num("idle_power_watts", 70.0, 0, _MAX_WATTS),
         utilization=util,
         memory_used=mem,
         temperature_base=o.num("temperature_celsius", 35.0),
@@ -335,32 +416,32 @@ def _parse_gpu(i: int, raw: Any, node: str) -> GpuSpec:
 def _device_ref(ref: Any, where: str, gpus: dict[str, GpuSpec]) -> str:
     """Validate a device reference: "<gpu>" or "<gpu>:<profile>:<start>"."""
     if not isinstance(ref, str):
-        raise ScenarioError(f"{where}: expected a device reference string, got {ref!r}")
+        raise ScenarioError(f"{where}: expected a device reference string, got {_show(ref)}")
     parts = ref.split(":")
     g = gpus.get(parts[0])
     if g is None:
-        raise ScenarioError(f"{where}: unknown GPU {parts[0]!r} (known: {', '.join(gpus)})")
+        raise ScenarioError(f"{where}: unknown GPU {_show(parts[0])} (known: {', '.join(gpus)})")
     if len(parts) == 1:
         if g.mig:
-            raise ScenarioError(f"{where}: GPU {g.name!r} is in MIG mode; reference an instance as {g.name}:<profile>:<start>")
+            raise ScenarioError(f"{where}: GPU {_show(g.name)} is in MIG mode; reference an instance as {g.name}:<profile>:<start>")
         return ref
     if len(parts) != 3 or not any(m.profile == parts[1] and str(m.placement_start) == parts[2] for m in g.mig):
-        raise ScenarioError(f"{where}: no MIG instance {ref!r} (expected <gpu>:<profile>:<placement start>)")
+        raise ScenarioError(f"{where}: no MIG instance {_show(ref)} (expected <gpu>:<profile>:<placement start>)")
     return ref
 
 
 def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
     o = _Obj(data, source)
     node = o.str("node", "demo-node")
-    if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", node):
-        raise ScenarioError(f"{source}.node: {node!r} is not a valid node name")
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", node):  # as --node-name: at most 253
+        raise ScenarioError(f"{source}.node: {_show(node)} is not a valid node name")
     gpu_list = [_parse_gpu(i, g, node) for i, g in enumerate(o.list("gpus"))]
     if not gpu_list:
         raise ScenarioError(f"{source}.gpus: at least one GPU is required")
     gpus: dict[str, GpuSpec] = {}
     for g in gpu_list:
         if g.name in gpus:
-            raise ScenarioError(f"{source}.gpus: duplicate name {g.name!r}")
+            raise ScenarioError(f"{source}.gpus: duplicate name {_show(g.name)}")
         gpus[g.name] = g
     for attr in ("minor", "uuid", "pci_bus_id"):
         vals = [getattr(g, attr) for g in gpu_list]
@@ -393,8 +474,10 @@ def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
             cobj = _Obj(craw, cw)
             cl = tuple(cobj.list("claims"))
             for k, cn in enumerate(cl):
+                if not isinstance(cn, str):  # a list here is unhashable: TypeError in the lookup
+                    raise ScenarioError(f"{cw}.claims[{k}]: expected a claim name, got {_show(cn)}")
                 if (ns, cn) not in claim_keys:
-                    raise ScenarioError(f"{cw}.claims[{k}]: no claim {cn!r} in namespace {ns!r}")
+                    raise ScenarioError(f"{cw}.claims[{k}]: no claim {_show(cn)} in namespace {_show(ns)}")
             dp = []
             for k, draw in enumerate(cobj.list("device_plugin")):
                 dobj = _Obj(draw, f"{cw}.device_plugin[{k}]")
@@ -407,16 +490,14 @@ def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
         cnames = [c.name for c in containers]
         if len(set(cnames)) != len(cnames):
             raise ScenarioError(f"{pw}.containers: duplicate container name")
-        labels = po.get("labels", {}) or {}
-        if not isinstance(labels, dict):
-            raise ScenarioError(f"{pw}.labels: expected a mapping")
+        labels = _labels(po.get("labels"), f"{pw}.labels")
         end = po.get("end")
         pods.append(
             PodSpec(
                 namespace=ns,
                 name=po.str("name"),
                 containers=tuple(containers),
-                labels={str(k): str(v) for k, v in labels.items()},
+                labels=labels,
                 start=parse_duration(po.get("start", 0), f"{pw}.start"),
                 end=None if end is None else parse_duration(end, f"{pw}.end"),
             )
@@ -434,17 +515,17 @@ def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
         fo = _Obj(raw, fw)
         kind = fo.str("kind")
         if kind not in FAULT_KINDS:
-            raise ScenarioError(f"{fw}.kind: expected one of {', '.join(FAULT_KINDS)}, got {kind!r}")
+            raise ScenarioError(f"{fw}.kind: expected one of {', '.join(FAULT_KINDS)}, got {_show(kind)}")
         gname = fo.str("gpu")
         if gname not in gpus:
-            raise ScenarioError(f"{fw}.gpu: unknown GPU {gname!r}")
+            raise ScenarioError(f"{fw}.gpu: unknown GPU {_show(gname)}")
         until = fo.get("until")
         f = Fault(
             kind=kind,
             gpu=gname,
             at=parse_duration(fo.req("at"), f"{fw}.at"),
             until=None if until is None else parse_duration(until, f"{fw}.until"),
-            code=int(fo.num("code", 0)),
+            code=fo.int("code", 0),  # a whole number: int() of a NaN or 1e400 raised
             rate_per_minute=fo.num("rate_per_minute", 0.0),
         )
         if kind == "xid" and f.code <= 0:
@@ -457,6 +538,8 @@ def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
             raise ScenarioError(f"{fw}.rate_per_minute: only ecc_uncorrectable faults take a rate")
         if f.rate_per_minute < 0:
             raise ScenarioError(f"{fw}.rate_per_minute: must not be negative")
+        if f.rate_per_minute > _MAX_ECC_RATE:
+            raise ScenarioError(f"{fw}.rate_per_minute: at most {_MAX_ECC_RATE:g}")
         if f.until is not None and kind in ("xid", "reset"):
             raise ScenarioError(f"{fw}.until: an {kind} fault is an instant; it takes no until")
         if f.until is not None and f.until <= f.at:
@@ -464,11 +547,16 @@ def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
         faults.append(f)
         fo.done()
 
+    driver_version = o.str("driver_version", "580.95.05")
+    # digits and dots, as NVML reports it: the ResourceSlice's version attribute is built from
+    # the digit groups ("²".isdigit() is true, and int("²") raises)
+    if not re.fullmatch(r"[0-9]+(\.[0-9]+)*", driver_version):
+        raise ScenarioError(f"{source}.driver_version: expected a version like 580.95.05, got {_show(driver_version)}")
     sc = Scenario(
         name=o.str("name", Path(source).stem),
         description=o.str("description", ""),
         node=node,
-        driver_version=o.str("driver_version", "580.95.05"),
+        driver_version=driver_version,
         gpus=tuple(gpu_list),
         claims=tuple(claims),
         pods=tuple(pods),
@@ -478,16 +566,43 @@ def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
     return sc
 
 
+def _labels(raw: Any, where: str) -> dict[str, str]:
+    """Pod labels: a mapping of scalars, turned into strings."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"{where}: expected a mapping, got {_show(raw)}")
+    out = {}
+    for k, v in raw.items():
+        for x in (k, v):
+            # a list or mapping would be stringified whole (exponentially large through YAML
+            # aliases) and is no label value anyway; an int over 4300 digits cannot be
+            if isinstance(x, (list, dict)) or x is None or (isinstance(x, int) and abs(x) > 10**100):
+                raise ScenarioError(f"{where}: expected text or a number, got {_show(x)}")
+        out[_text(str(k), where)] = _text(str(v), where)
+    return out
+
+
 def load_scenario(path: str | Path) -> Scenario:
     p = Path(path)
+    kind = "JSON" if p.suffix == ".json" else "YAML"
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ScenarioError(f"{p}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ScenarioError(f"{p}: not valid {kind}: not UTF-8 text (byte {e.start})") from None
     try:
         data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ScenarioError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}".splitlines()[0]) from None
+    # Not just the loaders' own errors: a 5000-digit number or a bad date is a ValueError, deep
+    # nesting exhausts the stack of both loaders, and PyYAML's constructors raise IndexError,
+    # KeyError or AttributeError for tagged scalars they cannot read (!!float "", !!bool x).
+    # Only the loader runs in this try, so whatever it raises means the file is unreadable.
+    except Exception as e:
+        first = (str(e).splitlines() or [""])[0]
+        if not isinstance(e, (ValueError, RecursionError, yaml.YAMLError)):
+            first = f"cannot construct a value ({type(e).__name__}: {first})"
+        raise ScenarioError(f"{p}: not valid {kind}: {first}") from None
     return parse_scenario(data, str(p.name))
 
 
