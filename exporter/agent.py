@@ -303,6 +303,7 @@ class Agent:
             process_memory=process_memory or {},
             pod_label_allowlist=self.cfg.pod_label_allowlist,
             dcgm_compat=self.cfg.dcgm_compat_labels,
+            excluded=self.cfg.exclude_metrics,
         )
         exp = self.renderer.render(state)
         if self.server is not None:

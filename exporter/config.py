@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import fnmatch
 import ipaddress
 import os
 import re
@@ -65,6 +66,7 @@ class Config:
     per_process: bool = False  # needs hostPID; maps PIDs to pods through /proc/<pid>/cgroup
     pod_label_allowlist: tuple[str, ...] = ()  # pod labels exported on dra_pod_labels
     dcgm_compat_labels: bool = False  # add pod/namespace/container/dra_* labels to device series
+    exclude_metrics: frozenset[str] = frozenset()  # catalog names never exported (--exclude-metrics)
     # remediation safety
     taint_rate_limit: int = 2  # new NoExecute rules per node per rate window
     taint_rate_window: float = 600.0
@@ -187,6 +189,7 @@ def _add_common(p: argparse.ArgumentParser, demo: bool = False) -> None:
     p.add_argument("--call-timeout", metavar="SECONDS", help="deadline for reading one device (default 2)")
     p.add_argument("--per-process", action="store_const", const="true", help="per-process (per-pod) GPU memory; needs hostPID")
     p.add_argument("--pod-label-allowlist", metavar="K1,K2", help="pod labels exported on dra_pod_labels")
+    p.add_argument("--exclude-metrics", metavar="NAME,GLOB", help="metrics never exported, by name or shell pattern (e.g. 'dra_claim_memory_*')")
     p.add_argument("--dcgm-compat-labels", action="store_const", const="true", help="add dcgm-exporter's pod/namespace/container/dra_* labels to device series")
     p.add_argument("--taint-rate-limit", metavar="N", help="new NoExecute rules per node per 10 minutes (default 2)")
     p.add_argument("--taint-budget-fraction", metavar="F", help="cluster share of GPUs under NoExecute before suppression (default 0.05)")
@@ -281,6 +284,22 @@ def _label_allowlist(value: str) -> tuple[str, ...]:
     return tuple(keys)
 
 
+def parse_exclude_metrics(value: str) -> frozenset[str]:
+    """Names and shell patterns -> the catalog names they match. A pattern that matches
+    nothing is a typo, and a typo here would silently keep the series it meant to drop."""
+    from .metrics.catalog import BY_NAME
+
+    out: set[str] = set()
+    for pattern in (p.strip() for p in value.split(",")):
+        if not pattern:
+            continue
+        hits = fnmatch.filter(BY_NAME, pattern)
+        if not hits:
+            raise ConfigError(f"--exclude-metrics: {pattern!r} matches no metric (names as in the README's metric table, e.g. dra_claim_pods or 'gpu_*_clock_hertz')")
+        out.update(hits)
+    return frozenset(out)
+
+
 def _resolve(ns: argparse.Namespace, pick: Callable[..., str | None]) -> Config:
 
     kw: dict = {}
@@ -311,6 +330,8 @@ def _resolve(ns: argparse.Namespace, pick: Callable[..., str | None]) -> Config:
         kw["per_process"] = _bool("--per-process", v)
     if (v := pick("pod-label-allowlist")) is not None:
         kw["pod_label_allowlist"] = _label_allowlist(v)
+    if (v := pick("exclude-metrics")) is not None:
+        kw["exclude_metrics"] = parse_exclude_metrics(v)
     if (v := pick("dcgm-compat-labels")) is not None:
         kw["dcgm_compat_labels"] = _bool("--dcgm-compat-labels", v)
     if (v := pick("taint-rate-limit")) is not None:

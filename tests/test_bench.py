@@ -32,7 +32,7 @@ def test_quick_benchmark_run_reports_every_measurement(tmp_path: Path) -> None:
     soak = r["soak"]
     assert soak["devices"] == 8 and soak["cycles"] == 100 and len(soak["rss_marks_mb"]) == 5
     assert 0 < soak["rss_start_mb"] <= soak["peak_rss_mb"]
-    assert r["series"]["default"] < r["series"]["with pod labels"] < r["series"]["dcgm-compat labels"]
+    assert r["series"]["lean (--exclude-metrics)"] < r["series"]["default"] < r["series"]["with pod labels"] < r["series"]["dcgm-compat labels"]
     assert r["machine"]["quick"] is True
     # the printed table names each part (the README quotes this output)
     assert "scrape:" in done.stdout and "soak, agent alone" in done.stdout

@@ -97,7 +97,7 @@ def test_every_flag_from_the_environment(monkeypatch, tmp_path):
     env = {
         "LISTEN": "[::1]:9500", "INTERVAL": "2.5", "BACKEND": "nvml", "TAINT_MODE": "shadow", "LOG_FORMAT": "console",
         "LOG_LEVEL": "WARNING", "CALL_TIMEOUT": "0.25", "PER_PROCESS": "yes", "POD_LABEL_ALLOWLIST": "team",
-        "DCGM_COMPAT_LABELS": "true", "TAINT_RATE_LIMIT": "5", "TAINT_BUDGET_FRACTION": "0.2",
+        "DCGM_COMPAT_LABELS": "true", "TAINT_RATE_LIMIT": "5", "TAINT_BUDGET_FRACTION": "0.2", "EXCLUDE_METRICS": "dra_claim_pods, gpu_*_clock_hertz",
         "TAINT_HOLD_SECONDS": "900", "NODE_NAME": "node-b", "KUBELET_SOCKET": str(tmp_path / "k.sock"),
         "KUBECONFIG": str(kubeconfig),
     }
@@ -109,6 +109,7 @@ def test_every_flag_from_the_environment(monkeypatch, tmp_path):
     assert (c.log_format, c.log_level) == ("console", "warning")
     assert c.call_timeout == 0.25 and c.per_process is True and c.dcgm_compat_labels is True
     assert c.pod_label_allowlist == ("team",)
+    assert c.exclude_metrics == {"dra_claim_pods", "gpu_sm_clock_hertz", "gpu_memory_clock_hertz"}
     assert (c.taint_rate_limit, c.taint_budget_fraction, c.taint_hold_seconds) == (5, 0.2, 900)
     assert c.node_name == "node-b"
     assert c.kubelet_socket == str(tmp_path / "k.sock")
@@ -189,6 +190,8 @@ def test_parse_interval_rejects(text):
         (["--call-timeout", "-1"], {}, "--call-timeout"),
         (["--taint-budget-fraction", "1.5"], {}, "--taint-budget-fraction"),
         (["--pod-label-allowlist", "bad key!"], {}, "not a valid label key"),
+        (["--exclude-metrics", "gpu_up,dra_claim_pod"], {}, "--exclude-metrics: 'dra_claim_pod' matches no metric"),
+        ([], {"EXCLUDE_METRICS": "claims_*"}, "matches no metric (names as in the README's metric table, e.g. dra_claim_pods or 'gpu_*_clock_hertz') (from DRA_GPU_EXPORTER_EXCLUDE_METRICS)"),
         (["--node-name", "Not_A_Node"], {}, "not a valid Kubernetes node name"),
         (["--kubeconfig", "/nonexistent/kubeconfig"], {}, "--kubeconfig /nonexistent/kubeconfig: no such file"),
         (["demo", "--scenario", "/nonexistent/scenario.yaml"], {}, "--scenario /nonexistent/scenario.yaml: no such file"),

@@ -147,6 +147,24 @@ def test_unresolved_devices_is_zero_not_absent_for_each_slice_driver():
     assert value(scrape(None), "dra_unresolved_devices", driver=nv) is None
 
 
+def test_excluded_metrics_are_left_out_and_nothing_else_is():
+    """--exclude-metrics (a cardinality control): the named families disappear from /metrics,
+    counters by their full _total name included, and every other family is still served."""
+    from exporter.config import build_parser, resolve
+
+    cfg = resolve(build_parser().parse_args(["--node-name", "node-t", "--exclude-metrics", "gpu_*_clock_hertz,gpu_ecc_errors_total,dra_claim_pods"]))
+    assert cfg.exclude_metrics == {"gpu_sm_clock_hertz", "gpu_memory_clock_hertz", "gpu_ecc_errors_total", "dra_claim_pods"}
+    families = {}
+    for excluded in (frozenset(), cfg.exclude_metrics):
+        agent = Agent(config(exclude_metrics=excluded), Sources(backend=sim(TWO)))
+        with running(agent) as url:
+            _, _, body = fetch(url + "/metrics")
+        families[excluded] = {fam.name for fam in text_string_to_metric_families(body.decode())}
+    full, trimmed = families[frozenset()], families[cfg.exclude_metrics]
+    assert {"gpu_sm_clock_hertz", "gpu_memory_clock_hertz", "gpu_ecc_errors"} <= full  # the parser drops _total
+    assert full - trimmed == {"gpu_sm_clock_hertz", "gpu_memory_clock_hertz", "gpu_ecc_errors", "dra_claim_pods"}
+
+
 def test_gzip_head_healthz_and_404():
     agent = Agent(config(), Sources(backend=sim(TWO)))
     with running(agent) as url:

@@ -53,6 +53,7 @@ class RenderState:
     process_memory: Mapping[tuple[str, str, str], int] = field(default_factory=dict)  # (uuid, ns, pod) -> bytes
     pod_label_allowlist: tuple[str, ...] = ()
     dcgm_compat: bool = False
+    excluded: frozenset[str] = frozenset()  # catalog names left out (--exclude-metrics)
 
 
 def _fam(name: str, extra_labels: tuple[str, ...] = ()) -> Metric:
@@ -95,6 +96,15 @@ class SnapshotCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         st = self.state
+        if not st.excluded:
+            yield from self._families(st)
+            return
+        for fam in self._families(st):
+            # A counter family's name has no _total; the catalog's (and the user's) does.
+            if fam.name not in st.excluded and f"{fam.name}_total" not in st.excluded:
+                yield fam
+
+    def _families(self, st: RenderState) -> Iterator[Metric]:
         snap = st.snapshot
         node = snap.node if snap else ""
         yield from self._self_metrics(node, st)

@@ -18,7 +18,8 @@ def pod_uid(p: PodSpec) -> str:
 
 def _semver(v: str) -> str:
     """NVIDIA driver versions have leading zeros (580.95.05); semver forbids them."""
-    return ".".join(str(int(x)) for x in v.split(".") if x.isdigit()) or "0.0.0"
+    # isascii: "²".isdigit() is True but int("²") raises
+    return ".".join(str(int(x)) for x in v.split(".") if x.isascii() and x.isdigit()) or "0.0.0"
 
 
 def device_name(sc: Scenario, ref: str) -> str:
