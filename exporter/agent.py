@@ -83,6 +83,14 @@ class Agent:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, serve: bool = True) -> None:
         self.src.backend.open()
+        # The health engine must know which MIG instance lives on which GPU before the first
+        # event can arrive: an instance's XID counts against its GPU. The first cycle would
+        # tell it, but events start now. Same deadline lane as the cycle's enumerate; on any
+        # failure the first cycle reports it and sets the topology.
+        try:
+            self.health.set_topology(self.runner.call("enumerate", self.src.backend.enumerate, self.cfg.call_timeout))
+        except Exception as e:  # noqa: BLE001 - start-up goes on; the cycle is the one that reports
+            log.warning("early_enumerate_failed", error=str(e))
         self.src.backend.start_events(self.health.on_event)
         if self.src.slices is not None:
             self.src.slices.start()

@@ -911,7 +911,8 @@ class NvmlBackend(DeviceBackend):
             if kind is EventKind.MIG_CONFIG_CHANGE:
                 self.invalidate()  # before the sink hears of it: its next enumerate() rescans
                 uuid = parent
-            log.info("nvml_event", uuid=uuid, kind=kind.value, code=code)
+            # debug: a storm is thousands of events; the health engine logs what is news
+            log.debug("nvml_event", uuid=uuid, kind=kind.value, code=code)
             self._emit(sink, DeviceEvent(uuid=uuid, kind=kind, code=code if kind in (EventKind.XID, EventKind.RECOVERY_ACTION) else 0))
 
     def _event_uuid(self, parent: str, gi: int, ci: int) -> str:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
+from typing import Iterable
 
 import structlog
 
@@ -55,6 +57,8 @@ class SimBackend(DeviceBackend):
         self.scenario = scenario
         self.clock = clock or SimClock()
         self._stop = threading.Event()
+        self._wake = threading.Condition()
+        self._injected: deque[DeviceEvent] = deque()
         self._energy: dict[str, _Energy] = {}
         self._identities: list[DeviceIdentity] = []
         self._by_uuid: dict[str, tuple[GpuSpec, MigSpec | None]] = {}
@@ -172,8 +176,19 @@ class SimBackend(DeviceBackend):
         self._thread = threading.Thread(target=self._event_loop, args=(sink, start), name="sim-events", daemon=True)
         self._thread.start()
 
+    def inject(self, events: Iterable[DeviceEvent]) -> None:
+        """Queue events for delivery on the event thread, in order, as a vendor library's
+        event wait would hand them over: unscripted ones (storms, events for devices this
+        backend does not know, events on MIG instances). Delivered once :meth:`start_events`
+        has a sink; the caller returns at once."""
+        with self._wake:
+            self._injected.extend(events)
+            self._wake.notify()
+
     def close(self) -> None:
         self._stop.set()
+        with self._wake:
+            self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout=2)
 
@@ -231,15 +246,27 @@ class SimBackend(DeviceBackend):
             "recovery_action": EventKind.RECOVERY_ACTION,
             "ecc_uncorrectable": EventKind.ECC_DBE,
         }
-        pending = [f for f in self.scenario.faults if f.kind in kinds and f.at >= start]
-        for f in pending:
-            wait = self.clock.real_seconds(f.at - self.clock.now())
-            if self._stop.wait(wait):
-                return
-            uuid = self.scenario.gpu(f.gpu).uuid
-            ev = DeviceEvent(uuid=uuid, kind=kinds[f.kind], code=f.code, timestamp=self.clock.epoch(f.at), detail=f"scripted {f.kind}")
-            log.info("sim_event", uuid=uuid, kind=ev.kind.value, code=f.code, sim_t=round(f.at, 1))
-            try:
-                sink(ev)
-            except Exception:  # the sink belongs to the health engine; never let it kill us
-                log.exception("event_sink_failed", uuid=uuid)
+        pending = deque(f for f in self.scenario.faults if f.kind in kinds and f.at >= start)
+        while not self._stop.is_set():
+            with self._wake:
+                if not self._injected and not self._stop.is_set():
+                    # Until the next scripted fault is due (or forever), or until inject() or
+                    # close() wakes us. Capped: a clock that barely moves would ask for a wait
+                    # longer than a lock accepts.
+                    self._wake.wait(min(3600.0, self.clock.real_seconds(pending[0].at - self.clock.now())) if pending else None)
+                batch, self._injected = self._injected, deque()
+            while batch and not self._stop.is_set():
+                self._deliver(sink, batch.popleft())  # popped: a delivered event is not kept
+            while pending and pending[0].at <= self.clock.now() and not self._stop.is_set():
+                f = pending.popleft()
+                uuid = self.scenario.gpu(f.gpu).uuid
+                ev = DeviceEvent(uuid=uuid, kind=kinds[f.kind], code=f.code, timestamp=self.clock.epoch(f.at), detail=f"scripted {f.kind}")
+                log.info("sim_event", uuid=uuid, kind=ev.kind.value, code=f.code, sim_t=round(f.at, 1))
+                self._deliver(sink, ev)
+
+    @staticmethod
+    def _deliver(sink: EventSink, ev: DeviceEvent) -> None:
+        try:
+            sink(ev)
+        except Exception:  # the sink belongs to the health engine; never let it kill us
+            log.exception("event_sink_failed", uuid=ev.uuid)

@@ -13,11 +13,17 @@ Two kinds of evidence:
 
 Repeats escalate: the same informational XID ``info_repeat`` times within ``repeat_window`` on
 one GPU becomes degraded, a degraded condition seen ``degraded_repeat`` times becomes fatal.
+Only the latest ``max(info_repeat, degraded_repeat)`` times of a reason are kept: that is all
+escalation needs, so an XID storm costs no memory per event.
 A GPU that goes unhealthy again ``sticky_after`` times within ``sticky_window`` is *sticky*: it
 stays unhealthy until a person clears it (:meth:`HealthEngine.clear_sticky`).
 
 All times come from an injected clock (epoch seconds), so the demo can run faster than real
 time and tests need no sleeps.
+
+Logs: an event that opens a condition or changes its tier is logged; repeats of a known
+condition are counted and logged as one summary line per device at most every
+``HealthEngine.repeat_log_interval`` seconds, so a storm of events is not a storm of log lines.
 """
 
 from __future__ import annotations
@@ -60,7 +66,9 @@ class _DeviceState:
     levels: dict[str, Condition] = field(default_factory=dict)
     level_clean_since: dict[str, float] = field(default_factory=dict)
     events: dict[str, _EventCond] = field(default_factory=dict)
-    history: dict[str, deque] = field(default_factory=lambda: defaultdict(deque))  # reason -> times
+    history: dict[str, deque] = field(default_factory=dict)  # reason -> latest times, capped
+    quiet: Counter = field(default_factory=Counter)  # repeats not logged yet, by reason
+    quiet_since: float | None = None  # when the first of them came
     last_ecc_unc: int | None = None
     last_ok: bool | None = None
     last_error: ReadError | None = None  # why the previous reading failed
@@ -74,9 +82,13 @@ Listener = Callable[[str], None]
 
 
 class HealthEngine:
+    repeat_log_interval = 60.0  # seconds between summary lines for one device's repeated events
+
     def __init__(self, clock: Callable[[], float], policy: HealthPolicy | None = None) -> None:
         self.clock = clock
         self.policy = policy or HealthPolicy()
+        # Escalation only asks "were there N within the window?": the latest N times answer it.
+        self._history_len = max(1, self.policy.info_repeat, self.policy.degraded_repeat)
         self._lock = threading.RLock()
         self._state: dict[str, _DeviceState] = defaultdict(_DeviceState)
         self._parents: dict[str, str] = {}
@@ -110,32 +122,66 @@ class HealthEngine:
         """Called from a backend's event thread."""
         uuid = self._physical(ev.uuid)
         now = self.clock()
+        reason, tier = "", None
         with self._lock:
             st = self._state[uuid]
             if ev.kind == EventKind.XID:
                 self.xid_counts[(uuid, ev.code)] += 1
-                self._event_condition(st, uuid, f"xid_{ev.code}", classify_xid(ev.code), now, f"XID {ev.code} {ev.detail}".strip())
+                reason = f"xid_{ev.code}"
+                tier = self._event_condition(st, uuid, reason, classify_xid(ev.code), now, f"XID {ev.code} {ev.detail}".strip())
             elif ev.kind == EventKind.ECC_DBE:
-                self._event_condition(st, uuid, "ecc_double_bit", Tier.FATAL, now, "double-bit (uncorrectable) ECC error event")
+                reason = "ecc_double_bit"
+                tier = self._event_condition(st, uuid, reason, Tier.FATAL, now, "double-bit (uncorrectable) ECC error event")
             elif ev.kind == EventKind.GPU_LOST:
-                self._event_condition(st, uuid, "gpu_lost_event", Tier.FATAL, now, ev.detail or "GPU unavailable event")
+                reason = "gpu_lost_event"
+                tier = self._event_condition(st, uuid, reason, Tier.FATAL, now, ev.detail or "GPU unavailable event")
             elif ev.kind == EventKind.RECOVERY_ACTION:
-                tier = _recovery_tier(ev.code)
-                if tier is not None:
-                    self._event_condition(st, uuid, f"recovery_action_{_ra_name(ev.code)}", tier, now, f"driver asks for {_ra_name(ev.code)}")
+                ra = _recovery_tier(ev.code)
+                if ra is not None:
+                    reason = f"recovery_action_{_ra_name(ev.code)}"
+                    tier = self._event_condition(st, uuid, reason, ra, now, f"driver asks for {_ra_name(ev.code)}")
             elif ev.kind == EventKind.RAS:
-                self._event_condition(st, uuid, "ras_error", Tier.DEGRADED, now, ev.detail or "RAS error event")
+                reason = "ras_error"
+                tier = self._event_condition(st, uuid, reason, Tier.DEGRADED, now, ev.detail or "RAS error event")
             elif ev.kind == EventKind.RESET:
                 self._observe_reset(st, now)
             self._update_transitions(uuid, st, now)
-        log.info("device_event", uuid=uuid, kind=ev.kind.value, code=ev.code)
+            # News (a new condition, a new tier, a reset) is logged at once; a repeat of what is
+            # already known only counts towards the device's next summary line.
+            news = tier is not None or ev.kind == EventKind.RESET
+            summary = None
+            if not news:
+                st.quiet[reason or ev.kind.value] += 1
+                if st.quiet_since is None:
+                    st.quiet_since = now
+                summary = self._take_summary(uuid, st, now)
+        if news:
+            extra = {"instance": ev.uuid} if ev.uuid != uuid else {}
+            log.info("device_event", uuid=uuid, kind=ev.kind.value, code=ev.code, reason=reason or None, tier=tier.value if tier else None, **extra)
+        if summary:
+            log.info("device_events_repeated", **summary)
         self._notify([uuid])
+
+    def _take_summary(self, uuid: str, st: _DeviceState, now: float) -> dict | None:
+        """The device's summary line of repeated events, when one is due (and forget them)."""
+        if not st.quiet or st.quiet_since is None or now - st.quiet_since < self.repeat_log_interval:
+            return None
+        out = {"uuid": uuid, "events": sum(st.quiet.values()), "by_reason": dict(st.quiet), "seconds": round(now - st.quiet_since, 1)}
+        st.quiet = Counter()
+        st.quiet_since = None
+        return out
 
     def observe(self, identities: Iterable[DeviceIdentity], readings: Mapping[str, DeviceReading]) -> None:
         """Called once per cycle with the cycle's readings (full GPUs and instances)."""
         now = self.clock()
         changed: list[str] = []
+        summaries: list[dict] = []
         with self._lock:
+            for uuid, st in self._state.items():  # repeats that have been quiet long enough to tell
+                if st.quiet:
+                    s = self._take_summary(uuid, st, now)
+                    if s:
+                        summaries.append(s)
             for ident in identities:
                 if ident.is_partition:
                     continue  # physical state lives on the parent
@@ -148,6 +194,8 @@ class HealthEngine:
                 self._update_transitions(ident.uuid, st, now)
                 if self._health_locked(ident.uuid, now) != before:
                     changed.append(ident.uuid)
+        for s in summaries:
+            log.info("device_events_repeated", **s)
         if changed:
             self._notify(changed)
 
@@ -211,15 +259,21 @@ class HealthEngine:
             ec.reset_seen = True
         st.last_ecc_unc = None  # counters restart after a reset
 
-    def _event_condition(self, st: _DeviceState, uuid: str, reason: str, tier: Tier, now: float, evidence: str) -> None:
-        hist = st.history[reason]
-        hist.append(now)
+    def _event_condition(self, st: _DeviceState, uuid: str, reason: str, tier: Tier, now: float, evidence: str) -> Tier | None:
+        """Record one occurrence; return the condition's tier if it is news (a new condition, a
+        new tier, the first since a reset), None for a repeat of what was known."""
+        hist = st.history.get(reason)
+        if hist is None:
+            hist = st.history[reason] = deque(maxlen=self._history_len)
         while hist and now - hist[0] > self.policy.repeat_window:
             hist.popleft()
+        more = len(hist) == hist.maxlen  # the oldest is pushed out while still in the window
+        hist.append(now)
+        times = f"{'over ' if more else ''}{len(hist)}x"
         if tier == Tier.INFORMATIONAL and len(hist) >= self.policy.info_repeat:
-            tier, evidence = Tier.DEGRADED, f"{evidence} (repeated {len(hist)}x in {self.policy.repeat_window / 3600:g}h)"
+            tier, evidence = Tier.DEGRADED, f"{evidence} (repeated {times} in {self.policy.repeat_window / 3600:g}h)"
         elif tier == Tier.DEGRADED and len(hist) >= self.policy.degraded_repeat:
-            tier, evidence = Tier.FATAL, f"{evidence} (repeated {len(hist)}x in {self.policy.repeat_window / 3600:g}h)"
+            tier, evidence = Tier.FATAL, f"{evidence} (repeated {times} in {self.policy.repeat_window / 3600:g}h)"
         old = st.events.get(reason)
         if old is not None and old.cond.tier.rank > tier.rank:
             tier = old.cond.tier  # never de-escalate on a repeat
@@ -229,6 +283,8 @@ class HealthEngine:
             else Condition(uuid=uuid, tier=tier, reason=reason, since=now, last_seen=now, evidence=evidence)
         )
         st.events[reason] = _EventCond(cond=cond, reset_seen=False)
+        # A repeat after a reset is news too: it re-arms a condition that was about to clear.
+        return tier if old is None or old.cond.tier != tier or old.reset_seen else None
 
     def _expire_events(self, st: _DeviceState, now: float) -> None:
         p = self.policy

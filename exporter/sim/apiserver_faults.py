@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import re
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+
+LOG_LIMIT = 50_000  # requests remembered for tests; older ones are dropped
 
 
 @dataclass
@@ -54,7 +57,9 @@ class FaultInjector:
     _outage: str | None = None
     _failures: list[_Rule] = field(default_factory=list)
     _delays: list[_Rule] = field(default_factory=list)
-    _log: list[RequestRecord] = field(default_factory=list)
+    # Bounded: the demo runs for days and records every request (tests read at most a few
+    # thousand); a plain list grew ~1 GB a day under Prometheus scrapes.
+    _log: deque[RequestRecord] = field(default_factory=lambda: deque(maxlen=LOG_LIMIT))
 
     # ------------------------------------------------------------ configuration
 
