@@ -538,6 +538,11 @@ def test_a_sticky_rule_outlives_an_agent_restart(make_rig):
         rig.clock.advance(HOLD)
     assert rig.effects() == {"gpu-0": "NoExecute"} and rig.by_device()["gpu-0"]["metadata"]["uid"] == uid
     assert not [q for q in rig.writes() if q.method == "DELETE"]
+    # and the health side agrees with the rule: the adopted label made the GPU sticky again
+    h = rig.health.health(rig.ids[0].uuid)
+    assert h.sticky and not h.healthy
+    (cond,) = h.conditions
+    assert cond.reason == "repeated_failures" and "sticky label on DeviceTaintRule" in cond.evidence
 
 
 def test_removing_the_sticky_label_lets_the_rule_step_down(make_rig):

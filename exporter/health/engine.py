@@ -75,6 +75,7 @@ class _DeviceState:
     was_healthy: bool = True
     failures: deque = field(default_factory=deque)  # times the device went unhealthy
     sticky: bool = False
+    sticky_note: str = ""  # why, when not from this process's failure history (see mark_sticky)
     last_reset: float | None = None
 
 
@@ -321,7 +322,10 @@ class HealthEngine:
         conds = list(st.levels.values()) + [ec.cond for ec in st.events.values()]
         if st.sticky and not any(c.tier != Tier.INFORMATIONAL for c in conds):
             first = min(st.failures) if st.failures else now
-            conds.append(Condition(uuid=uuid, tier=Tier.FATAL, reason="repeated_failures", since=first, last_seen=now, evidence=f"failed {len(st.failures)} times within {self.policy.sticky_window / 86400:g} days; clear by hand", count=len(st.failures)))
+            evidence = f"failed {len(st.failures)} times within {self.policy.sticky_window / 86400:g} days; clear by hand"
+            if st.sticky_note and len(st.failures) < self.policy.sticky_after:
+                evidence = st.sticky_note
+            conds.append(Condition(uuid=uuid, tier=Tier.FATAL, reason="repeated_failures", since=first, last_seen=now, evidence=evidence, count=len(st.failures)))
         conds.sort(key=lambda c: (-c.tier.rank, c.reason))
         return DeviceHealth(uuid=uuid, conditions=tuple(conds), sticky=st.sticky)
 
@@ -345,11 +349,25 @@ class HealthEngine:
             st = self._state.get(uuid)
             return st.last_reset if st else None
 
+    def mark_sticky(self, uuid: str, note: str) -> None:
+        """Sticky without this process having seen the failures: the failure history lives
+        in memory, so after a restart the sticky label on the device's DeviceTaintRule is the
+        record. ``note`` becomes the condition's evidence. A MIG instance marks its GPU."""
+        with self._lock:
+            uuid = self._physical(uuid)
+            st = self._state[uuid]
+            if st.sticky:
+                return
+            st.sticky, st.sticky_note = True, note
+            log.warning("device_sticky", uuid=uuid, note=note)
+        self._notify([uuid])
+
     def clear_sticky(self, uuid: str) -> None:
         with self._lock:
             st = self._state.get(uuid)
             if st is not None and st.sticky:
                 st.sticky = False
+                st.sticky_note = ""
                 st.failures.clear()
                 log.info("sticky_cleared", uuid=uuid)
         self._notify([uuid])

@@ -235,6 +235,10 @@ class Remediator:
                         self._deleted_by_someone(key, mine)
             for r in adopted:
                 self._adopted_event(r, "found carrying this agent's labels (agent restarted)")
+                if r.sticky and r.uuid:
+                    # The failure history died with the previous process; the label is the
+                    # record, so gpu_healthy agrees with the rule until a person clears it.
+                    self.health.mark_sticky(r.uuid, f"sticky label on DeviceTaintRule {r.name} (failed too often before the agent restarted); clear by hand")
             self._adopted = True
             cluster = self.rules.list_owned(None)
             self._cluster_noexecute = sum(1 for o in cluster if (o.get("spec") or {}).get("taint", {}).get("effect") == "NoExecute")
