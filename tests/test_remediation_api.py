@@ -960,3 +960,5 @@ def test_health_changes_wake_the_remediator(make_rig):
     wait_until(lambda: rig.rem.ok, timeout=5, message="a first pass")
     rig.xid(1, 79)  # no collection cycle follows: the health engine's notification alone must do it
     wait_until(lambda: rig.effects() == {"gpu-1": "NoExecute"}, timeout=5, message="the rule")
+    # the pass ends with the rule's Event: waiting for it keeps the thread's log line in this test
+    wait_until(lambda: rig.events("GPUTainted"), timeout=5, message="the rule's Event")
