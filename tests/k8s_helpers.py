@@ -20,7 +20,9 @@ from typing import Any, TypeVar
 import yaml
 from kubernetes import client
 
+from exporter.sim import objects
 from exporter.sim.apiserver import FakeApiServer
+from exporter.sim.scenario import Scenario
 
 T = TypeVar("T")
 
@@ -34,6 +36,17 @@ def running_apiserver(version: str = "1.37", **kwargs: Any) -> Iterator[FakeApiS
         yield server
     finally:
         server.stop()
+
+
+def publish_scenario(server: FakeApiServer, sc: Scenario) -> None:
+    """Store what the cluster holds for a scenario's node: the Node, its ResourceSlice, the
+    claims and the pods (all of them, as if every pod were running)."""
+    server.apply(objects.node(sc))
+    server.apply(objects.resource_slice(sc))
+    for c in objects.resource_claims(sc, list(sc.pods)):
+        server.apply(c)
+    for pod in sc.pods:
+        server.apply(objects.pod_object(sc, pod))
 
 
 def write_kubeconfig(path: str | Path, url: str, token: str = "test-token",

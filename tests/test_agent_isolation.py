@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from k8s_helpers import wait_until, write_kubeconfig
+from k8s_helpers import publish_scenario, wait_until, write_kubeconfig
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.agent import Agent
@@ -95,12 +95,7 @@ def simulated_node(sc: Scenario, *, start_kubelet: bool = True, t: float = 0.0, 
     agent = None
     try:
         url = api.start()
-        api.apply(objects.node(sc))
-        api.apply(objects.resource_slice(sc))
-        for p in sc.pods:
-            api.apply(objects.pod_object(sc, p))
-        for c in objects.resource_claims(sc, list(sc.pods)):
-            api.apply(c)
+        publish_scenario(api, sc)
         kubelet.set_pods(objects.kubelet_pods(sc, list(sc.pods)))
         if start_kubelet:
             kubelet.start()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
-from k8s_helpers import running_apiserver, wait_until, write_kubeconfig
+from k8s_helpers import publish_scenario, running_apiserver, wait_until, write_kubeconfig
 from prometheus_client.parser import text_string_to_metric_families
 from validation import StrictValidator, validate_strict
 
@@ -67,12 +67,7 @@ def cluster(tmp_path):
     with running_apiserver("1.37", bookmark_interval=1.0) as server:
         validator = StrictValidator("1.37")
         server.set_validator(validator)
-        server.apply(objects.node(sc))
-        server.apply(objects.resource_slice(sc))
-        for c in objects.resource_claims(sc, list(sc.pods)):
-            server.apply(c)
-        for p in sc.pods:
-            server.apply(objects.pod_object(sc, p))
+        publish_scenario(server, sc)
         kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", server.url)
         try:
             yield sc, server, validator, kubelet, kubeconfig

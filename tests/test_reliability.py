@@ -38,7 +38,7 @@ from typing import Callable, Iterator
 import pytest
 import structlog
 import yaml
-from k8s_helpers import running_apiserver, wait_until, write_kubeconfig
+from k8s_helpers import publish_scenario, running_apiserver, wait_until, write_kubeconfig
 from prom_helpers import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -205,12 +205,7 @@ def storm_node(tmp_path):
     kubelet.start()
     try:
         with running_apiserver("1.37", bookmark_interval=1.0) as server:
-            server.apply(objects.node(sc))
-            server.apply(objects.resource_slice(sc))
-            for c in objects.resource_claims(sc, list(sc.pods)):
-                server.apply(c)
-            for p in sc.pods:
-                server.apply(objects.pod_object(sc, p))
+            publish_scenario(server, sc)
             cfg = Config(
                 listen_host="127.0.0.1", listen_port=0, node_name=sc.node, kubelet_socket=kubelet.socket_path,
                 kubeconfig=str(write_kubeconfig(tmp_path / "kubeconfig", server.url)), backend="sim", interval=0.1, call_timeout=1.0,
