@@ -39,6 +39,7 @@ from ..k8s.connection import ApiError, get_json
 from ..k8s.events import EventRecorder, micro_time, node_ref
 from ..k8s.resolve import DeviceIndex, resolve
 from ..k8s.taintrules import TaintRuleClient, TaintRulesUnavailable
+from ..k8s.slices import Backoff
 from ..metrics.render import TaintRuleView
 from ..model.join import effective_health
 from ..model.snapshot import Snapshot
@@ -146,7 +147,7 @@ class Remediator:
         self._thread: threading.Thread | None = None
         self._lock = threading.RLock()
         self._retry_at = 0.0
-        self._backoff = 0.5
+        self._backoff = Backoff(0.5, 30.0)  # between failed passes; a 429's Retry-After is honoured
         health.subscribe(lambda uuid: self.poke())
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -189,14 +190,15 @@ class Remediator:
                 return
             try:
                 self.reconcile()
-                self.ok, self.last_error, self._backoff = True, None, 0.5
+                self.ok, self.last_error = True, None
+                self._backoff.reset()
             except (ApiError, TaintRulesUnavailable) as e:
                 self.ok, self.last_error = False, str(e)
-                log.warning("remediation_pass_failed", error=str(e), retry_in=round(self._backoff, 2))
+                delay = self._backoff.next_delay(getattr(e, "retry_after", None))
+                log.warning("remediation_pass_failed", error=str(e), retry_in=round(delay, 2))
                 with self._wake:
-                    self._retry_at = time.monotonic() + self._backoff
+                    self._retry_at = time.monotonic() + delay
                     self._dirty = True  # the failed work is still to do
-                self._backoff = min(self._backoff * 2, 30.0)
             except Exception as e:
                 self.ok, self.last_error = False, str(e)
                 log.exception("remediation_pass_crashed")
