@@ -183,7 +183,8 @@ def test_resolution_without_a_slice_falls_back_to_claim_data_then_the_name():
 def test_unresolved_devices_are_counted_not_dropped():
     snap = run([dra("ml", "p", "m", "c", "tpu-9", driver="tpu.example.com"), dra("ml", "p", "m", "c", "gpu-99"), dra("ml", "q", "m", "d", "gpu-98")])
     assert {(a.device, a.uuid, a.method) for a in snap.allocations} == {("tpu-9", "", "unresolved"), ("gpu-99", "", "unresolved"), ("gpu-98", "", "unresolved")}
-    assert snap.unresolved == {NV: 2, "tpu.example.com": 1}
+    # the TPU is still in the join table, but it is no GPU this agent failed to find
+    assert snap.unresolved == {NV: 2}
     by = {c.name: c for c in snap.claims}
     assert by["c"].uuids == () and by["c"].utilization is None and by["c"].healthy  # unknown is not broken
 
@@ -198,6 +199,24 @@ def test_every_slice_driver_has_an_unresolved_count_zero_included():
     assert run().unresolved == {NV: 0}  # published, nothing allocated: nothing unresolved
     assert run(slices=None).unresolved == {}  # slices unknown: no claim either way
     assert run([dra("ml", "p", "m", "c", "gpu-99")]).unresolved == {NV: 1}
+
+
+def test_other_dra_drivers_on_the_node_are_not_unresolved_gpus():
+    """A GPU node's NIC or compute-domain driver publishes and allocates devices too; they are
+    no GPU, so they must not raise dra_unresolved_devices (and its alert) forever. A driver
+    that is not a vendor GPU driver counts once one of its devices resolves to a local GPU."""
+    nic = SliceDevice(driver="sriov.example.com", pool=NODE, name="vf-3", attributes={"resource.kubernetes.io/pciBusID": "0000:3b:00.2"})
+    slices = {**SLICES, nic.key: nic}
+    snap = run([dra("ml", "p", "m", "c", "gpu-0"), dra("ml", "p", "m", "n", "vf-3", driver="sriov.example.com")], slices=slices)
+    assert snap.unresolved == {NV: 0}
+    assert ("vf-3", "") in {(a.device, a.uuid) for a in snap.allocations}  # still in the join table
+    # an unknown driver whose devices are local GPUs is a GPU driver: its misses count
+    other = "gpu.example.com"
+    ok = SliceDevice(driver=other, pool=NODE, name="g0", attributes={f"{other}/uuid": G0.uuid})
+    bad = SliceDevice(driver=other, pool=NODE, name="g9", attributes={})
+    snap = run([dra("ml", "p", "m", "c", "g0", driver=other), dra("ml", "q", "m", "d", "g9", driver=other)], slices={**SLICES, ok.key: ok, bad.key: bad})
+    assert [a.uuid for a in snap.allocations if a.device == "g0"] == [G0.uuid]
+    assert snap.unresolved == {NV: 0, other: 1}
 
 
 def test_slice_uuid_that_is_not_local():

@@ -16,7 +16,7 @@ from typing import Iterable, Mapping
 from ..devices.model import DeviceIdentity, DeviceReading
 from ..health.model import DeviceHealth
 from ..k8s.model import AllocatedDevice, ClaimInfo, PodInfo, SliceDevice
-from ..k8s.resolve import DeviceIndex, Resolution, resolve, resolve_device_plugin
+from ..k8s.resolve import AMD_DRIVER, NVIDIA_DRIVER, DeviceIndex, Resolution, resolve, resolve_device_plugin
 from ..kubelet.model import AllocationSource, ContainerAllocation
 from .snapshot import AllocationView, ClaimView, DeviceView, Snapshot
 
@@ -77,6 +77,10 @@ def join(inp: JoinInputs) -> Snapshot:
     rows: list[AllocationView] = []
     seen_rows: set[AllocationView] = set()
     unresolved: dict[str, set[str]] = defaultdict(set)
+    # Drivers whose devices are GPUs this agent reads: the vendor GPU drivers, and any driver
+    # with a device that resolved here. A node's other DRA drivers (NICs, NVIDIA's
+    # compute-domain channels) allocate devices that are no GPU at all: not "unresolved".
+    gpu_drivers = {NVIDIA_DRIVER, AMD_DRIVER}
 
     for a in inp.allocations:
         if a.source == AllocationSource.DRA:
@@ -101,6 +105,8 @@ def join(inp: JoinInputs) -> Snapshot:
             )
         if not res.ok:
             unresolved[row.driver].add(f"{row.pool}/{row.device}")
+        elif a.source == AllocationSource.DRA:
+            gpu_drivers.add(row.driver)
         if row not in seen_rows:
             seen_rows.add(row)
             rows.append(row)
@@ -113,17 +119,20 @@ def join(inp: JoinInputs) -> Snapshot:
         devices=devices,
         allocations=tuple(rows),
         claims=claim_views,
-        unresolved=_unresolved_counts(slices, unresolved),
+        unresolved=_unresolved_counts(slices, unresolved, gpu_drivers, {r.driver for r in rows if r.source == "device-plugin"}),
         pod_labels={k: dict(v) for k, v in (inp.pod_labels or {}).items()},
         pod_uids=pod_uids,
     )
 
 
-def _unresolved_counts(slices: Mapping[DeviceKey, SliceDevice], unresolved: Mapping[str, set[str]]) -> dict[str, int]:
-    """Unresolved devices per driver, with 0 for every DRA driver this node's slices publish:
-    alerts and dashboards can then tell "all resolved" from "not known" (no slices listed)."""
-    counts = dict.fromkeys((key[0] for key in slices), 0)
-    counts.update((drv, len(devs)) for drv, devs in unresolved.items())
+def _unresolved_counts(
+    slices: Mapping[DeviceKey, SliceDevice], unresolved: Mapping[str, set[str]], gpu_drivers: set[str], plugin_resources: set[str]
+) -> dict[str, int]:
+    """Unresolved GPUs per driver (device-plugin resources are GPU resources by construction),
+    with 0 for every GPU driver this node's slices publish: alerts and dashboards can then tell
+    "all resolved" from "not known" (no slices listed)."""
+    counts = dict.fromkeys((key[0] for key in slices if key[0] in gpu_drivers), 0)
+    counts.update((drv, len(devs)) for drv, devs in unresolved.items() if drv in gpu_drivers or drv in plugin_resources)
     return dict(sorted(counts.items()))
 
 
