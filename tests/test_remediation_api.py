@@ -567,6 +567,25 @@ def test_removing_the_sticky_label_lets_the_rule_step_down(make_rig):
     assert names.STICKY_LABEL not in later[0].body["metadata"]["labels"]  # never put back
 
 
+def test_a_patch_never_puts_back_a_sticky_label_a_person_removed(make_rig):
+    """Regression: the label came back with the next refresh when it was removed between two
+    lists (the agent had not seen the removal yet), so the person's "cleared" was undone."""
+    rig = make_rig("1.37")
+    fail_until_sticky(rig, 0)
+    rig.reconcile()
+    rig.rem.resync = 3600  # the next list is not due: the agent still believes the rule sticky
+    name = rig.by_device()["gpu-0"]["metadata"]["name"]
+    status, _ = call_json(api_client(rig.server.url), "PATCH", f"/apis/resource.k8s.io/v1/devicetaintrules/{name}",
+                          body={"metadata": {"labels": {names.STICKY_LABEL: None}}}, content_type="application/merge-patch+json")
+    assert status == 200
+    patches_before = len([q for q in rig.writes() if q.method == "PATCH"])
+    rig.clock.advance(RECORD_REFRESH)
+    rig.xid(0, 48)  # new evidence: the rule's record is refreshed
+    rig.reconcile()
+    assert len([q for q in rig.writes() if q.method == "PATCH"]) > patches_before  # it did write
+    assert names.STICKY_LABEL not in rig.by_device()["gpu-0"]["metadata"]["labels"]
+
+
 def test_deleting_a_mig_devices_sticky_rule_clears_its_gpu(make_rig):
     """Failure history is kept per physical GPU; the rule names the MIG device. Regression: the
     agent cleared the MIG uuid (which has no history), so the GPU stayed sticky and the rule

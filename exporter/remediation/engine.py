@@ -500,7 +500,9 @@ class Remediator:
         patch, same name and uid). False when the rule turned out to be gone."""
         patch = {
             "metadata": {
-                "labels": self._labels(d.tier, d.sticky),
+                # The sticky label only when newly marking: re-sending it would put back a label
+                # a person removed since our last list (a merge patch without it leaves it be).
+                "labels": self._labels(d.tier, d.sticky and not rule.sticky),
                 "annotations": {names.REASON_ANNOTATION: d.reason, names.EVIDENCE_ANNOTATION: d.evidence[:EVIDENCE_MAX]},
             },
             "spec": {"taint": {"key": f"{names.TAINT_DOMAIN}/{d.tier}", "value": names.label_value(d.reason), "effect": d.effect}},
