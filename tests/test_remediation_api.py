@@ -35,7 +35,7 @@ from exporter.metrics.catalog import BY_NAME
 from exporter.metrics.render import Renderer, RenderState
 from exporter.model.join import JoinInputs, join
 from exporter.remediation import names
-from exporter.remediation.engine import Remediator
+from exporter.remediation.engine import REFUSED_RETRY, Remediator
 from exporter.remediation.plan import RECORD_REFRESH
 
 NODE = "node-a"
@@ -643,7 +643,10 @@ def test_409_for_a_rule_that_is_not_ours_is_left_alone(make_rig):
     (ev,) = rig.events("HealthRemediationSuppressed")
     assert ev["type"] == "Warning" and name in ev["note"] and ev["regarding"]["kind"] == "Node"
     assert rig.by_device()["gpu-2"]["spec"]["taint"]["key"] == "example.com/x"
-    assert [q.method for q in rig.writes()] == ["POST"] * 3  # tried, never overwritten
+    assert [q.method for q in rig.writes()] == ["POST"]  # tried once, never overwritten
+    rig.clock.advance(REFUSED_RETRY)  # asked again only after the hold
+    rig.reconcile()
+    assert [q.method for q in rig.writes()] == ["POST"] * 2 and rig.rem.suppressed["name_conflict"] == 1
 
 
 def test_lost_create_response_is_retried_without_a_duplicate(make_rig):
@@ -722,7 +725,9 @@ def test_a_429s_retry_after_is_honoured_by_the_remediator(make_rig):
 
 
 def test_a_refused_write_does_not_block_the_other_devices(make_rig):
-    """Regression: one 4xx (e.g. an admission policy) aborted the whole pass, every pass."""
+    """Regression: one 4xx (e.g. an admission policy) aborted the whole pass, every pass. And
+    a refused write is not asked again on every pass (every cycle, every health event): it is
+    held for REFUSED_RETRY, then tried again."""
     rig = make_rig("1.37")
     deny = dict(method="POST", path_regex=r"/devicetaintrules$", code=403, message="denied by ValidatingAdmissionPolicy")
     rig.server.fail_next(**deny)
@@ -730,14 +735,17 @@ def test_a_refused_write_does_not_block_the_other_devices(make_rig):
     rig.xid(1, 79)
     rig.reconcile()
     assert rig.effects() == {"gpu-1": "NoExecute"}
-    for _ in range(2):  # refused again on the next passes
-        rig.server.fail_next(**deny)
-        rig.reconcile()
-    assert rig.effects() == {"gpu-1": "NoExecute"}
-    assert [q.status for q in rig.writes() if q.method == "POST"] == [403, 201, 403, 403]  # logged before answered
-    assert rig.rem.suppressed["api_rejected"] == 1  # told once, not once per pass
+    rig.reconcile(3)  # held: not asked again
+    assert [q.status for q in rig.writes() if q.method == "POST"] == [403, 201]
+    assert rig.rem.suppressed["api_rejected"] == 1  # told once
     refused = [e for e in rig.events("HealthRemediationSuppressed") if "refused" in e["note"]]
     assert len(refused) == 1 and "denied by ValidatingAdmissionPolicy" in refused[0]["note"]
+    rig.clock.advance(REFUSED_RETRY)
+    rig.server.fail_next(**deny)
+    rig.reconcile()  # asked again after the hold, refused again, told no more
+    assert [q.status for q in rig.writes() if q.method == "POST"] == [403, 201, 403]
+    assert len([e for e in rig.events("HealthRemediationSuppressed") if "refused" in e["note"]]) == 1
+    rig.clock.advance(REFUSED_RETRY)
     rig.reconcile()
     assert rig.effects() == {"gpu-0": "NoExecute", "gpu-1": "NoExecute"}
 

@@ -49,6 +49,7 @@ from .reasons import Suppression
 
 log = structlog.get_logger(__name__)
 
+REFUSED_RETRY = 300.0  # seconds before a refused write is tried again, unless the decision changes
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 NO_API_KEY = ("api", "", "")  # announcement key of the cluster-wide "no DeviceTaintRule API"
 NODE_KEY = ("node", "", "")  # announcement key of node-wide episodes
@@ -137,6 +138,9 @@ class Remediator:
         self._cluster_gpus_at = -math.inf
         self._noexecute_times: deque[float] = deque()
         self._admin_deleted: dict[tuple[str, str, str], float] = {}
+        # Writes the server refused (4xx) or whose name is taken: (action, effect, tier) -> when
+        # to ask again. A new decision for the device is asked at once.
+        self._refused: dict[tuple[str, str, str], tuple[tuple[str, str, str], float]] = {}
         self._announced: set[tuple[tuple[str, str, str], str]] = set()  # (key, suppression) already told in an Event
         self._plugin_notified: dict[str, str] = {}
         self._index = DeviceIndex(())
@@ -358,6 +362,11 @@ class Remediator:
                 supports_none=supports_none,
             )
             d = decide(t, h, rule, self.mode, safety, self.cfg.taint_hold_seconds, now, self._admin_deleted.get(t.key))
+            held = self._refused.get(t.key)
+            if held is not None:
+                if held[0] == (d.action, d.effect, d.tier) and now < held[1]:
+                    continue  # refused before; asking again on every pass would only be refused again
+                del self._refused[t.key]
             try:
                 self._apply(t, h, rule, d, now)
             except ApiError as e:
@@ -366,10 +375,12 @@ class Remediator:
                 # The server refused this one write (admission policy, validation, a changed
                 # precondition): report it and go on, or one bad device would block every
                 # device sorted after it on every pass.
-                log.error("remediation_write_rejected", device=t.device, action=d.action, error=str(e))
+                log.error("remediation_write_rejected", device=t.device, action=d.action, error=str(e), retry_in=REFUSED_RETRY)
                 self._announce_once(t.key, Suppression.API_REJECTED, f"{t.device}: the API server refused to {d.action} its DeviceTaintRule: {e}")
+                self._refused[t.key] = ((d.action, d.effect, d.tier), now + REFUSED_RETRY)
             except NameTaken as e:
-                log.error("rule_name_taken", rule=str(e), device=t.device)
+                log.error("rule_name_taken", rule=str(e), device=t.device, retry_in=REFUSED_RETRY)
+                self._refused[t.key] = ((d.action, d.effect, d.tier), now + REFUSED_RETRY)
                 self._announce_once(t.key, Suppression.NAME_CONFLICT, f"{t.device}: a DeviceTaintRule named {e} exists and is not this agent's; left alone, so {t.uuid} is not tainted")
         self._retire_unpublished(now)
         if getattr(self.slices, "synced", True):
