@@ -140,6 +140,7 @@ class Remediator:
         self._admin_deleted: dict[tuple[str, str, str], float] = {}
         # Writes the server refused (4xx) or whose name is taken: (action, effect, tier) -> when
         # to ask again. A new decision for the device is asked at once.
+        self.passes = 0  # good passes of the remediator thread (for tests and debugging)
         self._refused: dict[tuple[str, str, str], tuple[tuple[str, str, str], float]] = {}
         self._announced: set[tuple[tuple[str, str, str], str]] = set()  # (key, suppression) already told in an Event
         self._plugin_notified: dict[str, str] = {}
@@ -196,6 +197,7 @@ class Remediator:
                 self.reconcile()
                 self.ok, self.last_error = True, None
                 self._backoff.reset()
+                self.passes += 1
             except (ApiError, TaintRulesUnavailable) as e:
                 self.ok, self.last_error = False, str(e)
                 delay = self._backoff.next_delay(getattr(e, "retry_after", None))
@@ -325,10 +327,12 @@ class Remediator:
             self._resync()
             supports_none = True if self.mode == TaintMode.DRY_RUN else self.rules.served().supports_none
         except TaintRulesUnavailable as e:
-            # The pass still fails (collector success 0, retried with backoff, so enabling the
-            # API later is picked up), but a person is told once, not once per retry.
+            # Not a failure of this agent but what the cluster offers (the API is alpha before
+            # 1.36): told once per agent start in an Event, a warning and the no_api
+            # suppression, not as a failing collector on every node. Every pass looks again
+            # (discovery is cached), so enabling the API later is picked up.
             self._announce_once(NO_API_KEY, Suppression.NO_API, f"GPU faults on this node get no DeviceTaintRule: {e}. Health is reported in metrics only.")
-            raise
+            return
         self._announced.discard((NO_API_KEY, Suppression.NO_API.value))  # served again: a later loss is news
         now = self.clock()
         health = self.health.all_health()
