@@ -335,6 +335,21 @@ def test_a_gpu_that_keeps_refailing_becomes_sticky_until_cleared(engine, clock):
     assert engine.health(G0.uuid).healthy and not engine.health(G0.uuid).sticky
 
 
+def test_a_sticky_mark_made_before_the_topology_lands_on_the_gpu(clock):
+    """After a restart an adopted sticky rule may name a MIG instance before the engine knows
+    the instance's GPU. The mark must end up on the GPU, and clearing by either uuid clears it."""
+    e = HealthEngine(clock, POLICY)
+    m = mig(G1, 2)
+    e.mark_sticky(m.uuid, "sticky label on DeviceTaintRule r")  # topology not known yet
+    e.set_topology([G0, G1, m])
+    assert e.health(G1.uuid).sticky and not e.health(G1.uuid).healthy
+    assert not e.health(m.uuid).sticky  # the instance holds no state of its own
+    (cond,) = e.health(G1.uuid).conditions
+    assert cond.reason == "repeated_failures" and cond.evidence == "sticky label on DeviceTaintRule r"
+    e.clear_sticky(m.uuid)  # the person deleted the instance's rule
+    assert e.health(G1.uuid).healthy and not e.health(G1.uuid).sticky
+
+
 def test_failures_spread_beyond_the_sticky_window_do_not_stick(engine, clock):
     for _ in range(POLICY.sticky_after):
         observe(engine, ok(G0, row_remap_pending=True))

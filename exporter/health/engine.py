@@ -111,8 +111,21 @@ class HealthEngine:
                     log.exception("health_listener_failed", uuid=u)
 
     def set_topology(self, identities: Iterable[DeviceIdentity]) -> None:
+        moved: list[str] = []
         with self._lock:
             self._parents = {i.uuid: i.parent_uuid for i in identities if i.is_partition}
+            # A sticky mark made before the topology was known sits on an instance; it is a
+            # fact about the GPU (and clearing the GPU must clear it).
+            for child, parent in self._parents.items():
+                st = self._state.get(child)
+                if st is not None and st.sticky:
+                    st.sticky = False
+                    gpu = self._state[parent]
+                    if not gpu.sticky:
+                        gpu.sticky, gpu.sticky_note = True, st.sticky_note
+                    moved.append(parent)
+        if moved:
+            self._notify(moved)
 
     def _physical(self, uuid: str) -> str:
         """Faults are physical: an event on a MIG instance is a fact about its GPU."""
@@ -363,14 +376,18 @@ class HealthEngine:
         self._notify([uuid])
 
     def clear_sticky(self, uuid: str) -> None:
+        """A person cleared the device. A MIG instance's uuid clears its GPU (and anything
+        left on the instance itself)."""
         with self._lock:
-            st = self._state.get(uuid)
-            if st is not None and st.sticky:
-                st.sticky = False
-                st.sticky_note = ""
-                st.failures.clear()
-                log.info("sticky_cleared", uuid=uuid)
-        self._notify([uuid])
+            uuids = list(dict.fromkeys((uuid, self._physical(uuid))))
+            for u in uuids:
+                st = self._state.get(u)
+                if st is not None and st.sticky:
+                    st.sticky = False
+                    st.sticky_note = ""
+                    st.failures.clear()
+                    log.info("sticky_cleared", uuid=u)
+        self._notify(uuids)
 
 
 def _ra_name(code: int) -> str:
