@@ -82,6 +82,23 @@ class Agent:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, serve: bool = True) -> None:
+        if serve:
+            # First: /healthz answers and /readyz says "no device data yet" even while a
+            # driver is slow to open or enumerate, instead of refusing connections.
+            self.server = MetricsServer(self.cfg.listen_host, self.cfg.listen_port, self.readiness)
+            self.server.start()
+        try:
+            self._start_sources()
+        except BaseException:
+            if self.server is not None:
+                self.server.stop()
+                self.server = None
+            raise
+        self.run_cycle()
+        self._thread = threading.Thread(target=self._loop, name="sampler", daemon=True)
+        self._thread.start()
+
+    def _start_sources(self) -> None:
         self.src.backend.open()
         # The health engine must know which MIG instance lives on which GPU before the first
         # event can arrive: an instance's XID counts against its GPU. The first cycle would
@@ -96,12 +113,6 @@ class Agent:
             self.src.slices.start()
         if self.src.remediation is not None:
             self.src.remediation.start()
-        if serve:
-            self.server = MetricsServer(self.cfg.listen_host, self.cfg.listen_port, self.readiness)
-            self.server.start()
-        self.run_cycle()
-        self._thread = threading.Thread(target=self._loop, name="sampler", daemon=True)
-        self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()

@@ -271,6 +271,50 @@ def test_readiness_before_any_cycle_and_a_broken_probe():
         server.stop()
 
 
+def test_probes_answer_while_the_device_library_is_still_opening():
+    """A driver can take many seconds to initialise. The server comes first, so the kubelet's
+    probes get answers (alive, not ready) instead of connection refused, and a start that
+    then fails releases the port."""
+
+    class SlowToOpen(SimBackend):
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            self.opening, self.release, self.fail = threading.Event(), threading.Event(), False
+
+        def open(self) -> None:
+            self.opening.set()
+            assert self.release.wait(10)
+            if self.fail:
+                raise RuntimeError("driver init failed")
+            super().open()
+
+    backend = SlowToOpen(TWO, SimClock(scale=1e-6))
+    agent = Agent(config(), Sources(backend=backend))
+    starting = threading.Thread(target=agent.start)
+    starting.start()
+    try:
+        assert backend.opening.wait(10)
+        url = agent.server.url
+        assert fetch(url + "/healthz")[0] == 200
+        status, _, body = fetch(url + "/readyz")
+        assert status == 503 and b"no successful device collection yet" in body
+    finally:
+        backend.release.set()
+        starting.join(10)
+    try:
+        wait_for(lambda: fetch(url + "/readyz")[0] == 200, what="ready after the first cycle")
+    finally:
+        agent.stop()
+
+    failing = SlowToOpen(TWO, SimClock(scale=1e-6))
+    failing.fail = True
+    failing.release.set()
+    bad = Agent(config(), Sources(backend=failing))
+    with pytest.raises(RuntimeError, match="driver init failed"):
+        bad.start()
+    assert bad.server is None  # stopped: the port is free again
+
+
 def test_listen_on_a_taken_port_is_a_clear_error():
     first = MetricsServer("127.0.0.1", 0, lambda: (True, "ready"))
     try:
