@@ -276,7 +276,7 @@ def bench_nvml(reads: int = 300, rounds: int = 5) -> None:
 # --------------------------------------------------------------------------- xid -> rule
 
 
-def bench_xid(samples: int = 40) -> None:
+def bench_xid(samples: int = 200) -> None:
     """Time from an XID event delivered by the device library to the DeviceTaintRule existing in
     the API server (a real HTTP round trip through the remediation engine)."""
     from exporter.devices.model import DeviceEvent, EventKind
@@ -400,7 +400,7 @@ def main() -> None:
         "scrape": lambda: bench_scrape(a.requests),
         "cycle": lambda: bench_cycle(10 if a.quick else 200),
         "nvml": lambda: bench_nvml(*((10, 1) if a.quick else ())),
-        "xid": lambda: bench_xid(4 if a.quick else 40),
+        "xid": lambda: bench_xid(4 if a.quick else 200),
         "soak": lambda: bench_soak(a.cycles, a.cpu_seconds),
         "series": bench_series,
     }
