@@ -732,3 +732,11 @@ def test_patch_functions() -> None:
     with pytest.raises(PatchError) as err:
         json_patch(doc, [{"op": "remove", "path": "/nope"}])
     assert err.value.code == 422
+
+
+def test_the_request_log_keeps_only_the_newest_requests():
+    """The demo runs for days under scrapes: its emulation must not remember every request."""
+    with running_apiserver("1.37", request_log_size=3) as srv, api_client(srv.url) as c:
+        for i in range(6):
+            assert call_json(c, "GET", f"/api/v1/namespaces/ns{i}")[0] == 404
+        assert [r.path for r in srv.requests] == [f"/api/v1/namespaces/ns{i}" for i in (3, 4, 5)]

@@ -389,8 +389,8 @@ SCALE = 10.0  # simulated seconds per real second
 SCRAPERS = 10
 # RSS after the warm-up may exceed the warm-up's maximum by this much. Measured on this
 # project's 2-core CI machine: +0.9 MB and +1.3 MB over the 135 s after the warm-up, about
-# 10-18 KB/s, most of it the demo's in-process API emulation, which records every request it
-# serves (~4 a second) for tests to inspect, and the emulated store filling its 1000-entry
+# 10-18 KB/s, most of it the demo's in-process API emulation, which then recorded every request
+# it served (~4 a second; it now keeps its latest 1000) and its store filling its 1000-entry
 # write history. 4 MB is three times that: allocator noise passes, while a leak of a few
 # hundred bytes per scrape (~25,000 scrapes after the warm-up) or per event does not.
 RSS_BOUND_KB = 4 * 1024

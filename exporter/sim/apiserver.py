@@ -27,7 +27,7 @@ from .apiserver_catalog import (
     GroupVersion, ResourceType, available_group_versions, parse_release, served_group_versions,
     version_priority,
 )
-from .apiserver_faults import FaultInjector, RequestRecord
+from .apiserver_faults import LOG_LIMIT, FaultInjector, RequestRecord
 from .apiserver_http import ApiHTTPServer, ApiRequestHandler
 from .apiserver_registry import Registry, Target, Validator
 from .apiserver_selectors import Selector
@@ -44,7 +44,7 @@ class FakeApiServer:
     def __init__(self, kubernetes_version: str = "1.37", served_versions: set[str] | None = None, *,
                  bookmark_interval: float = 1.0, history_size: int = 1000,
                  require_token: str | None = None, default_watch_timeout: float = 1800.0,
-                 validator: Validator | None = None) -> None:
+                 validator: Validator | None = None, request_log_size: int = LOG_LIMIT) -> None:
         """served_versions: "group/version" strings ("v1" for core) replacing the release's
         default set, e.g. {"v1", "resource.k8s.io/v1beta1"}; must exist in that release."""
         self.release = parse_release(kubernetes_version)
@@ -56,7 +56,7 @@ class FakeApiServer:
         self.store = Store(history_size)
         self.registry = Registry(self.store, self.release)
         self.registry.validator = validator
-        self.faults = FaultInjector()
+        self.faults = FaultInjector(log_size=request_log_size)  # the newest requests, for tests
         self._httpd: ApiHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()

@@ -59,7 +59,11 @@ class FaultInjector:
     _delays: list[_Rule] = field(default_factory=list)
     # Bounded: the demo runs for days and records every request (tests read at most a few
     # thousand); a plain list grew ~1 GB a day under Prometheus scrapes.
-    _log: deque[RequestRecord] = field(default_factory=lambda: deque(maxlen=LOG_LIMIT))
+    log_size: int = LOG_LIMIT
+    _log: deque[RequestRecord] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._log = deque(maxlen=self.log_size)
 
     # ------------------------------------------------------------ configuration
 

@@ -57,7 +57,8 @@ class DemoCluster:
         self.workdir = workdir
         self.socket = str(workdir / "kubelet.sock")
         self.kubelet = FakeKubelet(self.socket)
-        self.api = FakeApiServer("1.37", bookmark_interval=5.0)
+        # The demo runs for days; it keeps only its latest requests (nothing reads them).
+        self.api = FakeApiServer("1.37", bookmark_interval=5.0, request_log_size=1000)
         self.kubeconfig = workdir / "kubeconfig"
         self.evicted: dict[tuple[str, str], float] = {}
         self._live: list[PodSpec] = []
