@@ -318,6 +318,8 @@ class Agent:
             taint_actions=dict(rem.actions) if rem is not None else {},
             taint_suppressed=dict(rem.suppressed) if rem is not None else {},
             budget_exhausted=rem.budget_exhausted if rem is not None else None,
+            # no remediator: no API connection or mode off, so no fault gets a rule
+            remediation=(self.cfg.taint_mode.value, rem is not None and rem.active),
             detection_latency=rem.latency if rem is not None else None,
             process_memory=process_memory or {},
             pod_label_allowlist=self.cfg.pod_label_allowlist,

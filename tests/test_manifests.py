@@ -106,8 +106,6 @@ def test_manifest_holds_the_whole_install(docs: list[dict[str, Any]]) -> None:
             "ServiceAccount",
             "ClusterRole",
             "ClusterRoleBinding",
-            "Role",
-            "RoleBinding",
             "ValidatingAdmissionPolicy",
             "ValidatingAdmissionPolicyBinding",
             "PriorityClass",
@@ -153,23 +151,14 @@ def test_cluster_role_is_least_privilege(docs: list[dict[str, Any]]) -> None:
     }
 
 
-def test_budget_lease_role_is_scoped_to_one_lease(docs: list[dict[str, Any]]) -> None:
-    role = one(docs, "Role", "dra-gpu-exporter-budget")
-    assert role["metadata"]["namespace"] == NAMESPACE
-    named = [r for r in role["rules"] if r.get("resourceNames")]
-    unnamed = [r for r in role["rules"] if not r.get("resourceNames")]
-    assert [(r["resources"], r["resourceNames"], sorted(r["verbs"])) for r in named] == [
-        (["leases"], ["dra-gpu-exporter-budget"], ["get", "update"])
-    ]
-    # create cannot be limited by name in RBAC; it is the only unnamed verb.
-    assert [(r["apiGroups"], r["resources"], r["verbs"]) for r in unnamed] == [
-        (["coordination.k8s.io"], ["leases"], ["create"])
-    ]
+def test_no_namespaced_grants_beyond_the_cluster_role(docs: list[dict[str, Any]]) -> None:
+    """The budget is counted from the agent's labelled DeviceTaintRules, so the agent needs no
+    Lease (or anything else) in its namespace: a grant it never uses is not least privilege."""
+    assert [d["kind"] for d in docs if d["kind"] in {"Role", "RoleBinding"}] == []
 
 
 @pytest.mark.parametrize("kind,role_kind,name", [
     ("ClusterRoleBinding", "ClusterRole", "dra-gpu-exporter"),
-    ("RoleBinding", "Role", "dra-gpu-exporter-budget"),
 ])
 def test_bindings_grant_only_the_agent(docs: list[dict[str, Any]], kind: str, role_kind: str, name: str) -> None:
     binding = one(docs, kind, name)

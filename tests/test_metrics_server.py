@@ -117,6 +117,7 @@ def test_metrics_values_and_every_series_has_node():
     assert value(body, "dra_gpu_exporter_build_info", version=__version__) == 1
     assert value(body, "dra_gpu_exporter_collector_success", collector="devices") == 1
     assert value(body, "dra_gpu_exporter_cycles_total") >= 1
+    assert value(body, "dra_gpu_exporter_remediation_active", mode="enforce") == 0  # no Kubernetes API: no rules
     for s in samples(body):
         assert s.labels.get("node") == "node-t", s
     # every family served is in the catalog (README documents the catalog)

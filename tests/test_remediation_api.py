@@ -213,7 +213,7 @@ def metric_samples(rig: Rig) -> dict[str, list]:
     snap = join(JoinInputs(node=NODE, timestamp=rig.clock(), identities=tuple(rig.local), readings={}, health=rig.health.all_health()))
     body = Renderer().render(
         RenderState(snapshot=snap, taint_rules=rem.rule_views(), taint_actions=dict(rem.actions), taint_suppressed=dict(rem.suppressed),
-                    budget_exhausted=rem.budget_exhausted, detection_latency=rem.latency)
+                    budget_exhausted=rem.budget_exhausted, detection_latency=rem.latency, remediation=(rem.mode.value, rem.active))
     ).body.decode()
     out: dict[str, list] = {}
     for fam in text_string_to_metric_families(body):
@@ -313,6 +313,7 @@ def test_no_rule_api_served_is_told_once_in_an_event_not_worked_around(tmp_path,
             m = metric_samples(rig)
             assert [(lab["reason"], v) for lab, v in m["dra_gpu_exporter_taint_suppressed_total"]] == [("no_api", 1.0)]
             assert m.get("dra_device_taint_rule", []) == []
+            assert m["dra_gpu_exporter_remediation_active"] == [({"node": NODE, "mode": "enforce"}, 0.0)]  # unprotected, and it says so
             # the remediator thread keeps looking without telling it again
             rig.rem.start()
             rig.rem.poke()
@@ -871,6 +872,7 @@ def test_node_kill_switch_stops_every_write(make_rig):
     rig.xid(0, 79)
     rig.reconcile()
     assert rig.effects() == {"gpu-0": "NoExecute"}
+    assert metric_samples(rig)["dra_gpu_exporter_remediation_active"] == [({"node": NODE, "mode": "enforce"}, 1.0)]
     rig.server.apply({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "labels": {names.KILL_SWITCH_LABEL: "disabled"}}})
     writes = len(rig.writes())
     rig.xid(1, 79)  # new fault: not tainted
@@ -889,6 +891,7 @@ def test_node_kill_switch_stops_every_write(make_rig):
     assert rig.effects() == {"gpu-0": "NoExecute"}
     assert rig.rem.suppressed["kill_switch"] >= 1
     assert any("kill switch" in e["note"] for e in rig.events("HealthRemediationSuppressed"))
+    assert metric_samples(rig)["dra_gpu_exporter_remediation_active"] == [({"node": NODE, "mode": "enforce"}, 0.0)]
     # switch off again: the pending work happens
     rig.server.apply({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "labels": {}}})
     rig.reconcile()
@@ -970,6 +973,7 @@ def test_dry_run_never_writes(make_rig):
     assert [q for q in rig.server.requests if q.method != "GET"] == []
     assert rig.rules() == [] and rig.rem.rule_views() == ()
     assert rig.rem.actions["dry_run"] >= 2 and "create" not in rig.rem.actions
+    assert metric_samples(rig)["dra_gpu_exporter_remediation_active"] == [({"node": NODE, "mode": "dry-run"}, 0.0)]
 
 
 @pytest.mark.parametrize("release,expected", [("1.35", {"gpu-0": "None", "gpu-1": "None"}), ("1.34", {})])

@@ -133,6 +133,7 @@ class Remediator:
         self._adopted = False
         self._last_resync = -math.inf
         self._kill_switch = False
+        self.api_served: bool | None = None  # a DeviceTaintRule version is served; None: not known yet
         self._cluster_noexecute = 0
         self._cluster_gpus: int | None = None
         self._cluster_gpus_at = -math.inf
@@ -254,6 +255,12 @@ class Remediator:
             self._count_cluster_gpus()
         self._last_resync = now
 
+    @property
+    def active(self) -> bool:
+        """Whether a fault on this node gets a DeviceTaintRule now: a writing mode, the API
+        served, the node's kill switch off."""
+        return self.mode in (TaintMode.SHADOW, TaintMode.ENFORCE) and self.api_served is True and not self._kill_switch
+
     def _deleted_by_someone(self, key: tuple[str, str, str], rule: OwnedRule) -> None:
         """Not recreated without new evidence; a sticky device counts as cleared by hand."""
         with self._lock:
@@ -326,9 +333,11 @@ class Remediator:
         try:
             self._resync()
             supports_none = True if self.mode == TaintMode.DRY_RUN else self.rules.served().supports_none
+            self.api_served = True if self.mode != TaintMode.DRY_RUN else self.api_served
         except TaintRulesUnavailable as e:
-            # Not a failure of this agent but what the cluster offers (the API is alpha before
-            # 1.36): told once per agent start in an Event, a warning and the no_api
+            self.api_served = False
+            # Not a failure of this agent but what the cluster offers (the API is off by default before
+            # 1.37): told once per agent start in an Event, a warning and the no_api
             # suppression, not as a failing collector on every node. Every pass looks again
             # (discovery is cached), so enabling the API later is picked up.
             self._announce_once(NO_API_KEY, Suppression.NO_API, f"GPU faults on this node get no DeviceTaintRule: {e}. Health is reported in metrics only.")
