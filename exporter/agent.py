@@ -345,6 +345,10 @@ class Agent:
             problems.append("hung device calls: " + ", ".join(f"{k} ({v:.0f}s)" for k, v in sorted(hung.items())))
         if dev is None or dev.last_success is None:
             return False, "not ready: no successful device collection yet" + (f" ({dev.error})" if dev and dev.error else "")
+        if self.server is not None and not self.server.published:
+            # devices are read but the cycle's metrics are not rendered yet: a scrape now
+            # would get no data, so not ready until there is something to serve
+            return False, "not ready: first collection cycle still rendering"
         age = time.monotonic() - dev.last_success
         if age > limit:
             return False, f"not ready: last successful device collection {age:.1f}s ago (limit {limit:.1f}s): {dev.error or 'sampler stalled'}"

@@ -299,6 +299,8 @@ def test_probes_answer_while_the_device_library_is_still_opening():
         assert fetch(url + "/healthz")[0] == 200
         status, _, body = fetch(url + "/readyz")
         assert status == 503 and b"no successful device collection yet" in body
+        status, _, body = fetch(url + "/metrics")  # nothing true to say yet: not an empty 200
+        assert status == 503 and b"first collection cycle" in body
     finally:
         backend.release.set()
         starting.join(10)

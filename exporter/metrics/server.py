@@ -36,7 +36,7 @@ class _Server(ThreadingHTTPServer):
 class MetricsServer:
     def __init__(self, host: str, port: int, readiness: Readiness) -> None:
         self.readiness = readiness
-        self._exposition = Exposition(body=b"", gzipped=b"")
+        self._exposition: Exposition | None = None  # None until the first cycle is rendered
         self._static: bytes | None = None  # for the benchmark's static-body baseline
         owner = self
 
@@ -64,7 +64,11 @@ class MetricsServer:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
                     exp = owner._exposition  # one reference read: a consistent body
-                    if "gzip" in (self.headers.get("Accept-Encoding") or ""):
+                    if exp is None:
+                        # Before the first cycle there is nothing true to say: an empty 200 would
+                        # read as "this node has no GPUs". Prometheus records the target as down.
+                        self._send(HTTPStatus.SERVICE_UNAVAILABLE, b"no metrics yet: the first collection cycle is still running\n")
+                    elif "gzip" in (self.headers.get("Accept-Encoding") or ""):
                         self._send(200, exp.gzipped, CONTENT_TYPE, "gzip")
                     else:
                         self._send(200, exp.body, CONTENT_TYPE)
@@ -98,6 +102,11 @@ class MetricsServer:
         host = self._httpd.server_address[0]
         host = "127.0.0.1" if host in ("0.0.0.0", "") else host
         return f"http://{host}:{self.port}"
+
+    @property
+    def published(self) -> bool:
+        """Whether there is an exposition to serve."""
+        return self._exposition is not None
 
     def publish(self, exposition: Exposition) -> None:
         self._exposition = exposition
