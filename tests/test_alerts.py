@@ -197,3 +197,15 @@ if __name__ == "__main__":
         print(f"wrote {WRAPPER.relative_to(REPO)}")
     else:
         sys.exit("usage: python tests/test_alerts.py --write-prometheusrule")
+
+
+def test_the_cardinality_docs_name_every_metric_the_alerts_need() -> None:
+    """docs/deploy.md tells users which metrics --exclude-metrics must keep for the alerts; an
+    alert on a metric missing from that list would go silent for whoever trims by it."""
+    section = DEPLOY_DOC.read_text().split("### Cardinality", 1)[1].split("\n#", 1)[0]
+    keep = section.split("Keep what the shipped alerts use:", 1)[1]
+    listed = set(re.findall(r"`((?:gpu|dra)_[a-z_]+)`", keep))
+    used = {m for rule in alert_rules() for m in re.findall(r"\b((?:gpu|dra)_[a-z_]+)\b", rule["expr"])}
+    self_metrics = {m for m in used if m.startswith("dra_gpu_exporter_")}
+    assert "dra_gpu_exporter_*" in keep and self_metrics  # covered by the pattern
+    assert listed == used - self_metrics
