@@ -20,6 +20,7 @@ from exporter.model.join import JoinInputs, effective_health, join
 from exporter.model.snapshot import Snapshot
 
 NV = "gpu.nvidia.com"
+AMD = "gpu.amd.com"
 NODE = "node-a"
 
 
@@ -210,6 +211,10 @@ def test_other_dra_drivers_on_the_node_are_not_unresolved_gpus():
     snap = run([dra("ml", "p", "m", "c", "gpu-0"), dra("ml", "p", "m", "n", "vf-3", driver="sriov.example.com")], slices=slices)
     assert snap.unresolved == {NV: 0}
     assert ("vf-3", "") in {(a.device, a.uuid) for a in snap.allocations}  # still in the join table
+    # claim metrics are about GPUs: the NIC-only claim is not one, and a GPU+NIC claim has one device
+    assert [(c.name, c.devices) for c in snap.claims] == [("c", ((NV, NODE, "gpu-0"),))]
+    mixed = run([dra("ml", "p", "m", "c", "gpu-0"), dra("ml", "p", "m", "c", "vf-3", driver="sriov.example.com")], slices=slices)
+    assert [(c.name, c.devices, c.uuids) for c in mixed.claims] == [("c", ((NV, NODE, "gpu-0"),), (G0.uuid,))]
     # an unknown driver whose devices are local GPUs is a GPU driver: its misses count
     other = "gpu.example.com"
     ok = SliceDevice(driver=other, pool=NODE, name="g0", attributes={f"{other}/uuid": G0.uuid})
@@ -349,12 +354,15 @@ def test_join_invariants(allocations, slices, use_good_slices, n_identities, rea
     assert all(n == 1 for n in rows.values())
     assert set(rows) == {_input_key(a) for a in allocations}
 
-    # each claim the kubelet reported exactly once
-    reported = {(a.claim_namespace, a.claim_name) for a in allocations if a.source == AllocationSource.DRA and a.claim_name}
+    # each claim the kubelet reported with a GPU exactly once; GPUs: the vendor GPU drivers' devices,
+    # and those of any driver with a device that resolved to a local GPU
+    gpu_drivers = {NV, AMD} | {a.driver for a in snap.allocations if a.source == "dra" and a.method not in ("unresolved", "uuid-not-local")}
+    gpu_allocs = [a for a in allocations if a.source == AllocationSource.DRA and a.claim_name and a.driver in gpu_drivers]
+    reported = {(a.claim_namespace, a.claim_name) for a in gpu_allocs}
     got = [(c.namespace, c.name) for c in snap.claims]
     assert sorted(got) == sorted(reported) and len(got) == len(set(got))
     for c in snap.claims:
-        mine = [a for a in allocations if a.source == AllocationSource.DRA and (a.claim_namespace, a.claim_name) == (c.namespace, c.name)]
+        mine = [a for a in gpu_allocs if (a.claim_namespace, a.claim_name) == (c.namespace, c.name)]
         assert set(c.devices) == {(a.driver, a.pool, a.device) for a in mine}
         assert set(c.pods) == {a.pod for a in mine}
         assert c.utilization is None or 0.0 <= c.utilization <= 1.0

@@ -58,7 +58,7 @@ CATALOG: tuple[MetricDef, ...] = (
     _m("gpu_xid_errors_total", "counter", "uuid,xid", "XID events received"),
     # attribution
     _m("dra_device_allocation_info", "gauge", "driver,pool,device,uuid,namespace,pod,container,claim", "The join table: one series per device held by a container; claim empty for device-plugin allocations (driver is then the resource name)"),
-    _m("dra_claim_devices", "gauge", "namespace,claim", "Devices allocated to the claim on this node"),
+    _m("dra_claim_devices", "gauge", "namespace,claim", "GPUs and GPU partitions allocated to the claim on this node (claims without a GPU are not exported)"),
     _m("dra_claim_pods", "gauge", "namespace,claim", "Pods on this node that hold the claim"),
     _m("dra_claim_utilization_ratio", "gauge", "namespace,claim", "Mean utilization over the claim's devices, once per claim"),
     _m("dra_claim_memory_used_bytes", "gauge", "namespace,claim", "Memory used, summed over the claim's devices"),

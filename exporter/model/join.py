@@ -111,7 +111,9 @@ def join(inp: JoinInputs) -> Snapshot:
             seen_rows.add(row)
             rows.append(row)
 
-    claim_views = tuple(_claims(rows, by_uuid))
+    # Claim metrics are about GPUs: a NIC in a GPU+NIC claim is not one of its devices, and a
+    # claim holding no GPU at all (a compute-domain channel, say) is not exported.
+    claim_views = tuple(_claims([r for r in rows if r.driver in gpu_drivers], by_uuid))
     pod_uids = {p.uid: (p.namespace, p.name) for p in inp.pods if p.uid}
     return Snapshot(
         node=inp.node,
