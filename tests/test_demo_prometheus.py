@@ -6,13 +6,12 @@ dra_device_taint_rule series for exactly the faulty device."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 from exporter.sim.scenario import default_scenario
-from prom_helpers import NO_PROMETHEUS_REASON, PROMETHEUS, free_port, http_get, start_prometheus, wait_until
+from prom_helpers import NO_PROMETHEUS_REASON, PROMETHEUS, free_port, http_get, start_prometheus, stop_process, wait_until
 
 pytestmark = [pytest.mark.skipif(PROMETHEUS is None, reason=NO_PROMETHEUS_REASON), pytest.mark.slow]
 
@@ -33,12 +32,7 @@ def demo():
         wait_until(lambda: http_get(f"http://127.0.0.1:{port}/readyz", timeout=1)[0] == 200, 30, what="demo /readyz")
         yield f"127.0.0.1:{port}", proc
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout=15)
 
 
 def test_prometheus_sees_devices_claims_and_the_fault(demo, tmp_path):

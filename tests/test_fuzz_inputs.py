@@ -37,6 +37,7 @@ from exporter.devices.model import ReadError, RecoveryAction
 from exporter.devices.sim import SimBackend, SimClock
 from exporter.sim import objects
 from exporter.sim.scenario import Scenario, ScenarioError, bundled_scenarios, load_scenario, parse_scenario
+from tree_helpers import tree_paths
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "scenarios.md"
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -447,16 +448,6 @@ def _bundled() -> list[dict]:
 BUNDLED = _bundled()
 
 
-def _paths(obj: Any, prefix: tuple = ()) -> Iterator[tuple]:
-    yield prefix
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _paths(v, prefix + (k,))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            yield from _paths(v, prefix + (i,))
-
-
 def _at(obj: Any, path: tuple) -> Any:
     for step in path:
         obj = obj[step]
@@ -492,7 +483,7 @@ BAD_VALUES = st.one_of(
 def test_one_field_replaced_by_junk(base, data):
     """Any field of a good scenario replaced by a wrong type, an out-of-range number, a
     dangling reference, ...: still the contract."""
-    path = data.draw(st.sampled_from([p for p in _paths(base) if p]))
+    path = data.draw(st.sampled_from([p for p in tree_paths(base) if p]))
     old = _at(base, path[:-1])[path[-1]]
     junk = data.draw(BAD_VALUES)
     _at(base, path[:-1])[path[-1]] = junk
@@ -508,7 +499,7 @@ def test_one_field_replaced_by_junk(base, data):
 @FUZZ
 @given(base=scenario_bases(), data=st.data())
 def test_an_unknown_key_anywhere_is_named(base, data):
-    dicts = [p for p in _paths(base) if isinstance(_at(base, p), dict) and (not p or p[-1] != "labels")]
+    dicts = [p for p in tree_paths(base) if isinstance(_at(base, p), dict) and (not p or p[-1] != "labels")]
     path = data.draw(st.sampled_from(dicts))
     _at(base, path)["zz_unknown"] = data.draw(NASTY_SCALARS)
     with pytest.raises(ScenarioError) as e:
@@ -520,7 +511,7 @@ def test_an_unknown_key_anywhere_is_named(base, data):
 @given(base=scenario_bases(), data=st.data())
 def test_a_field_deleted_or_an_entry_duplicated(base, data):
     """Required keys gone, duplicate GPUs, claims, pods, containers, MIG instances, faults."""
-    containers = [p for p in _paths(base) if p and isinstance(_at(base, p), (dict, list)) and p[-1] != "labels"]
+    containers = [p for p in tree_paths(base) if p and isinstance(_at(base, p), (dict, list)) and p[-1] != "labels"]
     path = data.draw(st.sampled_from(containers))
     target = _at(base, path)
     if isinstance(target, dict) and target:
@@ -534,7 +525,7 @@ def test_a_field_deleted_or_an_entry_duplicated(base, data):
 def _refs(d: dict) -> list[tuple]:
     """Paths of every reference in a scenario: claim devices, container claims, plugin devices, fault GPUs."""
     out = []
-    for p in _paths(d):
+    for p in tree_paths(d):
         if (
             (p[:1] == ("claims",) and len(p) == 4 and p[2] == "devices")
             or (p[:1] == ("pods",) and len(p) == 6 and p[4] == "claims")

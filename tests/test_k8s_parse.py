@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from exporter.k8s.model import AllocatedDevice
 from exporter.k8s.parse import ParseError, parse_claim, parse_pod, parse_slice, parse_slice_full
+from tree_helpers import tree_paths
 
 
 def nvidia_slice_v1() -> dict:
@@ -175,16 +176,6 @@ def test_random_json_never_raises_anything_but_parse_error(obj, version):
             pass
 
 
-def _paths(obj, prefix=()):
-    yield prefix
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _paths(v, prefix + (k,))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            yield from _paths(v, prefix + (i,))
-
-
 def _replace(obj, path, value):
     if not path:
         return value
@@ -196,7 +187,7 @@ def _replace(obj, path, value):
     return out
 
 
-SLICE_PATHS = list(_paths(nvidia_slice_v1()))
+SLICE_PATHS = list(tree_paths(nvidia_slice_v1()))
 
 
 @settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])

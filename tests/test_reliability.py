@@ -21,7 +21,6 @@ import gzip
 import http.client
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -39,7 +38,7 @@ import pytest
 import structlog
 import yaml
 from k8s_helpers import publish_scenario, running_apiserver, wait_until, write_kubeconfig
-from prom_helpers import free_port
+from prom_helpers import free_port, stop_process
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.config import Config, TaintMode
@@ -492,12 +491,7 @@ def test_soak_demo_under_ten_scrapers_serves_every_request_without_growth(tmp_pa
         samples.append((round(time.monotonic() - t0, 1), *proc_stats(proc.pid)))
     finally:
         results = [p.stop() for p in pollers if p.ident]
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout=20)
         out.close()
         err.close()
 
