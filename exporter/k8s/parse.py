@@ -25,9 +25,11 @@ nothing else, so the watcher can log the object, count it and carry on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from .model import AllocatedDevice, AttributeValue, ClaimInfo, PodInfo, SliceDevice
+
+T = TypeVar("T")
 
 __all__ = [
     "ParseError",
@@ -113,6 +115,29 @@ def _bool(value: Any, where: str, default: bool = False) -> bool:
     return value
 
 
+def _only_parse_errors(kind: str, parse: Callable[..., T], *args: Any) -> T:
+    """Run a parser; anything but ParseError becomes one (belt and braces: callers catch only
+    ParseError, and a surprise in outside input must not kill a watcher)."""
+    try:
+        return parse(*args)
+    except ParseError:
+        raise
+    except Exception as exc:
+        raise ParseError(f"{kind}: unexpected {type(exc).__name__}: {exc}") from exc
+
+
+def _namespaced_meta(obj: Any, kind: str) -> tuple[dict, str, str, str, str]:
+    """(object, name, namespace, uid, where) of a namespaced object; ``where`` prefixes
+    messages about it, e.g. "pod ml/trainer"."""
+    obj = _dict(obj, kind)
+    meta = _dict(obj.get("metadata"), f"{kind}.metadata")
+    name = _str(meta.get("name"), f"{kind}.metadata.name")
+    namespace = _str(meta.get("namespace"), f"{kind} {name}: metadata.namespace")
+    where = f"{kind} {namespace}/{name}"
+    uid = _str(meta.get("uid"), f"{where}: metadata.uid", required=False)
+    return obj, name, namespace, uid, where
+
+
 def version_of(obj: Any, api_version: str) -> str:
     """The bare version (``v1``, ``v1beta1`` ...) to interpret ``obj`` with.
 
@@ -174,12 +199,7 @@ def _quantity(value: Any, where: str) -> str:
 
 def parse_slice_full(obj: Any, api_version: str) -> ParsedSlice:
     """Parse a ResourceSlice of any served version. Raises :class:`ParseError` only."""
-    try:
-        return _parse_slice(obj, api_version)
-    except ParseError:
-        raise
-    except Exception as exc:  # belt and braces: nothing but ParseError may escape
-        raise ParseError(f"resourceslice: unexpected {type(exc).__name__}: {exc}") from exc
+    return _only_parse_errors("resourceslice", _parse_slice, obj, api_version)
 
 
 def parse_slice(obj: Any, api_version: str) -> list[SliceDevice]:
@@ -257,21 +277,11 @@ def parse_claim(obj: Any, api_version: str) -> ClaimInfo:
     The result shape is the same in every version, so ``api_version`` only matters for
     messages; it is accepted for symmetry with :func:`parse_slice`.
     """
-    try:
-        return _parse_claim(obj)
-    except ParseError:
-        raise
-    except Exception as exc:
-        raise ParseError(f"resourceclaim: unexpected {type(exc).__name__}: {exc}") from exc
+    return _only_parse_errors("resourceclaim", _parse_claim, obj)
 
 
 def _parse_claim(obj: Any) -> ClaimInfo:
-    obj = _dict(obj, "resourceclaim")
-    meta = _dict(obj.get("metadata"), "resourceclaim.metadata")
-    name = _str(meta.get("name"), "resourceclaim.metadata.name")
-    namespace = _str(meta.get("namespace"), f"resourceclaim {name}: metadata.namespace")
-    where = f"resourceclaim {namespace}/{name}"
-    uid = _str(meta.get("uid"), f"{where}: metadata.uid", required=False)
+    obj, name, namespace, uid, where = _namespaced_meta(obj, "resourceclaim")
     status = _dict(obj.get("status"), f"{where}: status", required=False)
 
     data_by_key: dict[tuple[str, str, str, str], dict] = {}
@@ -341,21 +351,11 @@ def parse_pod(obj: Any) -> PodInfo:
     ``status.resourceClaimStatuses[].resourceClaimName`` (template claims; null until the claim
     exists) and the DRA extended-resource claim from ``status.extendedResourceClaimStatus``.
     """
-    try:
-        return _parse_pod(obj)
-    except ParseError:
-        raise
-    except Exception as exc:
-        raise ParseError(f"pod: unexpected {type(exc).__name__}: {exc}") from exc
+    return _only_parse_errors("pod", _parse_pod, obj)
 
 
 def _parse_pod(obj: Any) -> PodInfo:
-    obj = _dict(obj, "pod")
-    meta = _dict(obj.get("metadata"), "pod.metadata")
-    name = _str(meta.get("name"), "pod.metadata.name")
-    namespace = _str(meta.get("namespace"), f"pod {name}: metadata.namespace")
-    where = f"pod {namespace}/{name}"
-    uid = _str(meta.get("uid"), f"{where}: metadata.uid", required=False)
+    obj, name, namespace, uid, where = _namespaced_meta(obj, "pod")
     spec = _dict(obj.get("spec"), f"{where}: spec", required=False)
     status = _dict(obj.get("status"), f"{where}: status", required=False)
     node_name = _str(spec.get("nodeName"), f"{where}: spec.nodeName", required=False)
@@ -384,5 +384,5 @@ def _parse_pod(obj: Any) -> PodInfo:
         node_name=node_name,
         phase=phase,
         claims=tuple(claims),
-        labels={str(k): str(v) for k, v in _dict(meta.get("labels"), f"{where}: metadata.labels", required=False).items()},
+        labels={str(k): str(v) for k, v in _dict(obj["metadata"].get("labels"), f"{where}: metadata.labels", required=False).items()},
     )
