@@ -13,21 +13,9 @@ from exporter.k8s.claims import ClaimCache
 from exporter.k8s.connection import connect
 from exporter.k8s.model import AllocatedDevice
 from exporter.k8s.pods import NodePods
+from clock_helpers import ManualClock
 
 CLAIMS = "resourceclaims"
-
-
-class Clock:
-    """Injected time source: expiry is tested by moving time, not by waiting."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def client_for(server):
@@ -65,7 +53,7 @@ def claim_gets(server, name: str | None = None) -> int:
 
 
 def test_miss_then_hit_then_expiry():
-    clock = Clock()
+    clock = ManualClock()
     with running_apiserver("1.34") as server:
         server.apply(claim_obj("train", device="gpu-1", uuid="GPU-1"))
         cache = ClaimCache(client_for(server), ttl=30.0, clock=clock)
@@ -86,7 +74,7 @@ def test_miss_then_hit_then_expiry():
 
 
 def test_not_found_is_remembered_briefly():
-    clock = Clock()
+    clock = ManualClock()
     with running_apiserver("1.34") as server:
         cache = ClaimCache(client_for(server), ttl=30.0, negative_ttl=5.0, clock=clock)
         assert cache.get("ml", "later") is None
@@ -100,7 +88,7 @@ def test_not_found_is_remembered_briefly():
 
 
 def test_refresh_fetches_only_missing_or_expired():
-    clock = Clock()
+    clock = ManualClock()
     with running_apiserver("1.34") as server:
         for name in ("a", "b", "c"):
             server.apply(claim_obj(name))
@@ -116,7 +104,7 @@ def test_refresh_fetches_only_missing_or_expired():
 
 
 def test_outage_serves_stale_copies_and_pauses_fetching():
-    clock = Clock()
+    clock = ManualClock()
     with running_apiserver("1.34") as server:
         server.apply(claim_obj("a"))
         server.apply(claim_obj("b"))
@@ -146,7 +134,7 @@ def test_outage_serves_stale_copies_and_pauses_fetching():
 
 
 def test_connection_refused_is_an_outage_not_a_crash():
-    clock = Clock()
+    clock = ManualClock()
     with running_apiserver("1.34") as server:
         server.apply(claim_obj("a"))
         client = client_for(server)
@@ -164,7 +152,7 @@ def test_malformed_claim_is_skipped_and_counted():
         bad = claim_obj("bad")
         bad["status"]["allocation"]["devices"]["results"][0]["device"] = 7
         server.apply(bad)
-        cache = ClaimCache(client_for(server), ttl=30.0, clock=Clock())
+        cache = ClaimCache(client_for(server), ttl=30.0, clock=ManualClock())
         assert cache.get("ml", "bad") is None
         assert cache.stats.malformed == 1
         assert "results[0].device" in cache.entry("ml", "bad").error
@@ -173,7 +161,7 @@ def test_malformed_claim_is_skipped_and_counted():
 def test_v1beta1_only_server():
     with running_apiserver("1.32", served_versions={"v1", "resource.k8s.io/v1beta1"}) as server:
         server.apply(claim_obj("old", version="v1beta1"))
-        cache = ClaimCache(client_for(server), ttl=30.0, clock=Clock())
+        cache = ClaimCache(client_for(server), ttl=30.0, clock=ManualClock())
         info = cache.get("ml", "old")
         assert cache.api_version == "v1beta1"
         assert info is not None and info.devices[0].data == {"uuid": {"string": "GPU-0"}}
@@ -182,7 +170,7 @@ def test_v1beta1_only_server():
 
 def test_no_dra_api_gives_none_without_raising():
     with running_apiserver("1.32", served_versions={"v1"}) as server:
-        cache = ClaimCache(client_for(server), ttl=30.0, clock=Clock())
+        cache = ClaimCache(client_for(server), ttl=30.0, clock=ManualClock())
         assert cache.get("ml", "x") is None
         assert "serves no version" in (cache.last_error or "")
 
@@ -205,7 +193,7 @@ def pod_obj(name: str, node: str = "node-a", claims=()) -> dict:
 
 
 def test_node_pods_lists_this_node_with_ttl():
-    clock = Clock()
+    clock = ManualClock()
     with running_apiserver("1.34") as server:
         server.apply(pod_obj("p0", claims=("train",)))
         server.apply(pod_obj("p1"))
@@ -229,13 +217,13 @@ def test_node_pods_paginates(monkeypatch):
     with running_apiserver("1.34") as server:
         for i in range(5):
             server.apply(pod_obj(f"p{i}"))
-        pods = NodePods(client_for(server), "node-a", clock=Clock())
+        pods = NodePods(client_for(server), "node-a", clock=ManualClock())
         assert sorted(p.name for p in pods.list()) == [f"p{i}" for i in range(5)]
         assert len([r for r in server.requests if r.path == "/api/v1/pods"]) == 3
 
 
 def test_node_pods_outage_returns_last_good_list():
-    clock = Clock()
+    clock = ManualClock()
     with running_apiserver("1.34") as server:
         server.apply(pod_obj("p0"))
         pods = NodePods(client_for(server), "node-a", ttl=10.0, clock=clock, backoff_initial=5.0, backoff_max=5.0)
@@ -257,7 +245,7 @@ def test_node_pods_skips_malformed_pods():
         bad = pod_obj("bad")
         bad["spec"]["resourceClaims"] = [{"name": "x", "resourceClaimName": 5}]
         server.apply(bad)
-        pods = NodePods(client_for(server), "node-a", clock=Clock())
+        pods = NodePods(client_for(server), "node-a", clock=ManualClock())
         assert [p.name for p in pods.list()] == ["p0"]
         assert pods.stats.malformed_skipped == 1
 

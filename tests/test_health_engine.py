@@ -16,19 +16,9 @@ from exporter.health.model import Tier
 from exporter.health.xid import DEGRADED_XIDS, FATAL_XIDS, INFORMATIONAL_XIDS, classify_xid
 from exporter.metrics.render import Renderer, RenderState
 from exporter.model.join import JoinInputs, join
+from clock_helpers import ManualClock
 
 T0 = 1_750_000_000.0
-
-
-class FakeClock:
-    def __init__(self, t: float = T0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
 
 
 def gpu(i: int) -> DeviceIdentity:
@@ -58,12 +48,12 @@ POLICY = HealthPolicy(clear_hold=120, event_quiet=1800, info_quiet=600, repeat_w
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
+def clock() -> ManualClock:
+    return ManualClock(T0)
 
 
 @pytest.fixture
-def engine(clock: FakeClock) -> HealthEngine:
+def engine(clock: ManualClock) -> HealthEngine:
     e = HealthEngine(clock, POLICY)
     e.set_topology([G0, G1])
     return e

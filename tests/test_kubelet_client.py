@@ -28,6 +28,7 @@ from exporter.kubelet.client import (
 from exporter.kubelet.convert import to_snapshot
 from exporter.kubelet.model import AllocationSource, ContainerAllocation
 from exporter.sim.kubelet import FakeKubelet, cdi_only_claim, claim, container, pod
+from clock_helpers import ManualClock
 
 T = TypeVar("T")
 
@@ -36,19 +37,6 @@ GPU_B = "GPU-0b1c2d3e-4f50-6172-8394-a5b6c7d8e9f0"
 MIG_1 = "MIG-5d0c6f62-8a2b-5c2e-9f1d-7e3a4b5c6d70"
 DRIVER = "gpu.nvidia.com"
 POOL = "node-a"
-
-
-class ManualClock:
-    """A monotonic clock the test moves by hand, so backoff checks never depend on timing."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def eventually(fn: Callable[[], T], timeout: float = 15.0) -> T:

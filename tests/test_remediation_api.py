@@ -36,6 +36,7 @@ from exporter.model.join import JoinInputs, join
 from exporter.remediation import names
 from exporter.remediation.engine import REFUSED_RETRY, Remediator
 from exporter.remediation.plan import RECORD_REFRESH
+from clock_helpers import ManualClock
 
 NODE = "node-a"
 DRIVER = "gpu.nvidia.com"
@@ -44,17 +45,6 @@ HOLD = 600.0
 POLICY = HealthPolicy(clear_hold=60.0, event_quiet=1800.0, info_quiet=600.0)
 RULES = "/devicetaintrules"
 SERVED = {"1.33": "v1alpha3", "1.34": "v1alpha3", "1.35": "v1alpha3", "1.36": "v1beta2", "1.37": "v1"}
-
-
-class FakeClock:
-    def __init__(self, t: float = T0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
 
 
 def gpu(i: int, serial: int = 0) -> DeviceIdentity:
@@ -99,7 +89,7 @@ class Rig:
         self.watcher = SliceWatcher(self.api, NODE, backoff_initial=0.02, backoff_max=0.2)
         self.watcher.start()
         assert self.watcher.wait_synced(10), "slices never listed"
-        self.clock = FakeClock()
+        self.clock = ManualClock(T0)
         cfg.setdefault("taint_budget_fraction", 1.0)
         self.cfg = Config(node_name=NODE, taint_mode=mode, taint_hold_seconds=HOLD, **cfg)
         self.resync = resync
