@@ -22,7 +22,8 @@ from exporter.k8s.connection import (
     stream_watch,
 )
 from exporter.k8s.discovery import Discovery, pick_version, resource_version_for, served_versions
-from exporter.k8s.slices import Backoff, SliceWatcher
+from exporter.backoff import Backoff
+from exporter.k8s.slices import SliceWatcher
 
 NV = "gpu.nvidia.com"
 SLICES = r"/apis/resource\.k8s\.io/[^/]+/resourceslices$"

@@ -23,11 +23,11 @@ from urllib.parse import quote
 
 import structlog
 
+from ..backoff import Backoff
 from .connection import ApiClient, ApiError, get_json
 from .discovery import DEFAULT_PREFERENCE, RESOURCE_GROUP, Discovery
 from .model import ClaimInfo
 from .parse import ParseError, parse_claim
-from .slices import Backoff
 
 log = structlog.get_logger(__name__)
 

@@ -17,10 +17,10 @@ from typing import Any, Callable
 
 import structlog
 
+from ..backoff import Backoff
 from .connection import ApiClient, ApiError, get_json
 from .model import PodInfo
 from .parse import ParseError, parse_pod
-from .slices import Backoff
 
 log = structlog.get_logger(__name__)
 

@@ -23,7 +23,6 @@ never receives other nodes' slices; slices that use ``nodeSelector``/``allNodes`
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -31,6 +30,7 @@ from typing import Any, Callable
 
 import structlog
 
+from ..backoff import Backoff
 from .connection import ApiClient, ApiError, WatchStream, get_json, stream_watch
 from .discovery import DEFAULT_PREFERENCE, RESOURCE_GROUP, Discovery
 from .model import SliceDevice
@@ -54,33 +54,6 @@ class WatcherStats:
     errors: int = 0  # failed requests / streams
     events: int = 0  # ADDED, MODIFIED, DELETED applied
     bookmarks: int = 0
-
-
-class Backoff:
-    """Capped exponential backoff with jitter (each delay in [d/2, d], d doubling to ``cap``)."""
-
-    def __init__(self, initial: float = 0.5, cap: float = 30.0, rng: Callable[[], float] = random.random) -> None:
-        self.initial = initial
-        self.cap = cap
-        self._rng = rng
-        self._failures = 0
-
-    def reset(self) -> None:
-        self._failures = 0
-
-    @property
-    def failures(self) -> int:
-        return self._failures
-
-    def next_delay(self, retry_after: float | None = None) -> float:
-        base = min(self.cap, self.initial * (2 ** min(self._failures, 30)))
-        self._failures += 1
-        delay = base * (0.5 + 0.5 * self._rng())
-        if retry_after is not None:
-            # the server said how long it needs; don't come back earlier, but don't sleep for
-            # an absurd header either
-            delay = max(delay, min(retry_after, 300.0))
-        return delay
 
 
 class _RelistNeeded(Exception):

@@ -24,6 +24,7 @@ from typing import Callable
 import grpc
 import structlog
 
+from exporter.backoff import Backoff
 from exporter.kubelet import api_pb2, api_pb2_grpc
 from exporter.kubelet.convert import to_snapshot
 from exporter.kubelet.model import PodResourcesSnapshot
@@ -89,7 +90,8 @@ class PodResourcesClient:
         self._channel: grpc.Channel | None = None
         self._stub: api_pb2_grpc.PodResourcesListerStub | None = None
         self._channel_file: _FileId | None = None
-        self._backoff_attempts = 0
+        # After RESOURCE_EXHAUSTED: always within [BACKOFF_MIN_S, BACKOFF_MAX_S].
+        self._backoff = Backoff(BACKOFF_MIN_S, BACKOFF_MAX_S, rng=self._rng.random, min_delay=BACKOFF_MIN_S)
         self._backoff_until = 0.0
         self._last_skipped = 0
 
@@ -108,7 +110,7 @@ class PodResourcesClient:
                 resp = stub.List(api_pb2.ListPodResourcesRequest(), timeout=self.timeout)
             except grpc.RpcError as err:
                 raise self._translate(err) from None
-            self._backoff_attempts = 0
+            self._backoff.reset()
             self._backoff_until = 0.0
             try:
                 snap = to_snapshot(resp)
@@ -199,9 +201,6 @@ class PodResourcesClient:
         return KubeletError(path, f"{code.name}: {details}")
 
     def _next_backoff(self) -> float:
-        """Exponential backoff with jitter, always within [BACKOFF_MIN_S, BACKOFF_MAX_S]."""
-        ceiling = min(BACKOFF_MAX_S, BACKOFF_MIN_S * (2**self._backoff_attempts))
-        self._backoff_attempts = min(self._backoff_attempts + 1, 32)
-        delay = self._rng.uniform(max(BACKOFF_MIN_S, ceiling / 2), ceiling)
+        delay = self._backoff.next_delay()
         self._backoff_until = self._clock() + delay
         return delay

@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import structlog
 
+from ..backoff import Backoff
 from ..config import Config, TaintMode
 from ..health.engine import HealthEngine
 from ..health.model import DeviceHealth, Tier
@@ -39,7 +40,6 @@ from ..k8s.connection import ApiError, get_json
 from ..k8s.events import EventRecorder, micro_time, node_ref
 from ..k8s.resolve import DeviceIndex, resolve
 from ..k8s.taintrules import TaintRuleClient, TaintRulesUnavailable
-from ..k8s.slices import Backoff
 from ..metrics.render import TaintRuleView
 from ..model.join import effective_health
 from ..model.snapshot import Snapshot
