@@ -269,13 +269,9 @@ class Remediator:
         self._clear_sticky(rule)
 
     def _clear_sticky(self, rule: OwnedRule) -> None:
-        if not rule.uuid:
-            return
-        # Failure history (and so stickiness) is kept per physical GPU: a MIG device's rule
-        # clears the GPU it lives on.
-        with self._lock:
-            parents = {i.uuid: i.parent_uuid for i in self._identities if i.is_partition}
-        self.health.clear_sticky(parents.get(rule.uuid) or rule.uuid)
+        if rule.uuid:
+            # (a MIG device's uuid clears the GPU it lives on: the health engine maps it)
+            self.health.clear_sticky(rule.uuid)
 
     def _node_kill_switch(self) -> bool:
         try:
