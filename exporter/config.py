@@ -37,7 +37,8 @@ class TaintMode(str, enum.Enum):
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
-def _one_line(message: str) -> str:
+def one_line(message: str) -> str:
+    """``message`` with line breaks and control characters escaped: errors stay one line."""
     return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), message)
 
 
@@ -46,7 +47,7 @@ class ConfigError(ValueError):
     some messages quote a path verbatim, and a path may hold a newline."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(_one_line(message))
+        super().__init__(one_line(message))
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         # one line even when it quotes an unrecognized argument with a newline in it
-        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see --help)\n")
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

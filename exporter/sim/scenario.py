@@ -19,12 +19,10 @@ from typing import Any
 
 import yaml
 
+from ..config import one_line
+
 DRIVER = "gpu.nvidia.com"
 _NS = uuidlib.UUID("6f1c2f4e-1d0b-4c55-9a57-8a3c0e1d2b7a")
-
-
-# What str.splitlines() splits at, and other control characters: escaped in messages.
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 class ScenarioError(ValueError):
@@ -32,7 +30,7 @@ class ScenarioError(ValueError):
     or file name with a newline in it is escaped, so the demo's error stays one line."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(_CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), message))
+        super().__init__(one_line(message))
 
 
 class _ShortRepr(reprlib.Repr):
