@@ -37,9 +37,16 @@ class TaintMode(str, enum.Enum):
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
+MESSAGE_LIMIT = 500  # characters of an error message; the rest is counted, not shown
+
+
 def one_line(message: str) -> str:
-    """``message`` with line breaks and control characters escaped: errors stay one line."""
-    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), message)
+    """``message`` with line breaks and control characters escaped, and at most MESSAGE_LIMIT
+    characters: errors stay one readable line even when they quote a huge input."""
+    message = _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), message)
+    if len(message) > MESSAGE_LIMIT:
+        message = f"{message[:MESSAGE_LIMIT]}... ({len(message) - MESSAGE_LIMIT} more characters)"
+    return message
 
 
 class ConfigError(ValueError):

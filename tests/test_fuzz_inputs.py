@@ -230,6 +230,7 @@ def _load_or_error(p: Path) -> Scenario | ScenarioError:
 @example(body=b"gpus: [{}]\ndriver_version: \"580.\xc2\xb2\"", suffix=".yaml")  # '\xb2'.isdigit() but int() fails
 @example(body=f"gpus: [{{}}]\npods: [{{name: p, containers: [{{name: c}}], labels: {LAUGHS_FLOW}}}]\n".encode(), suffix=".yaml")  # a 5 MB label
 @example(body=(LAUGHS + "gpus: [{name: *f}]\n").encode(), suffix=".yaml")  # the error message printed it all
+@example(body=b"!!bool " + b"1" * 5000, suffix=".yaml")  # PyYAML's KeyError quoted the whole scalar
 def test_any_file_is_a_scenario_or_one_scenario_error(scratch, body, suffix):
     _load_or_error(_write(scratch, body, suffix))
 
