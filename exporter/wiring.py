@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from typing import Callable
 
@@ -19,6 +21,7 @@ from .k8s.slices import SliceWatcher
 from .kubelet.client import PodResourcesClient
 from .model.processes import process_memory
 from .remediation.engine import Remediator
+from .remediation.state import NodeState
 
 log = structlog.get_logger(__name__)
 
@@ -42,7 +45,40 @@ def build_agent(
             src.pods = NodePods(api, cfg.node_name)
     if cfg.per_process:
         src.processes = process_memory
+    if health_policy is None:
+        health_policy = HealthPolicy(clear_hold=cfg.health_clear_hold)  # --health-clear-hold
     agent = Agent(cfg, src, clock=clock, health_policy=health_policy)
     if api is not None and cfg.taint_mode != TaintMode.OFF:
-        src.remediation = Remediator(cfg, api, agent.health, src.slices, clock=clock, resync=remediation_resync)
+        src.remediation = build_remediator(cfg, api, agent, clock, remediation_resync)
     return agent
+
+
+def agent_namespace() -> str:
+    """The agent's namespace (downward API POD_NAMESPACE): where the budget and node state live."""
+    return os.environ.get("POD_NAMESPACE", "").strip() or "dra-gpu-exporter"
+
+
+def build_remediator(cfg: Config, api, agent: Agent, clock: Callable[[], float], resync: float) -> Remediator:
+    """The remediator with its cluster parts: the node's rules and kill-switch label watched, the
+    cluster budget object, the node's state ConfigMap (when team scale's parts are there)."""
+    ns = agent_namespace()
+    kw: dict = {"node_state": NodeState(api, ns, cfg.node_name)}
+    try:
+        from .k8s.budget import ClusterBudget
+        from .k8s.watch import NodeWatch, OwnedRuleWatch
+    except ImportError:  # older tree: poll the node's rules and Node, count in-process
+        pass
+    else:
+        kw["budget"] = _cluster_budget(ClusterBudget, api, ns, cfg)
+        kw["node_watch"] = NodeWatch(api, cfg.node_name)
+        kw["owned_rules"] = OwnedRuleWatch(api, cfg.node_name, None)
+    return Remediator(cfg, api, agent.health, agent.src.slices, clock=clock, resync=resync, **kw)
+
+
+def _cluster_budget(cls, api, ns: str, cfg: Config):
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    kw = {k: getattr(cfg, k) for k in ("taint_budget_max", "taint_budget_fraction") if k in fields}
+    try:
+        return cls(api, ns, **kw)
+    except TypeError:
+        return cls(api, ns)

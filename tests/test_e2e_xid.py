@@ -89,7 +89,13 @@ def test_xid79_taints_exactly_that_device_and_recovery_removes_it(cluster):
     try:
         assert clock.now() < 5.0, "the machine is too slow for this scenario's timeline"
         wait_until(lambda: agent.snapshot is not None and any(a.claim == "train" for a in agent.snapshot.allocations), timeout=5, message="the join")
+        # Fenced at once with NoSchedule, raised to NoExecute after the settle window (issue 16:
+        # this test used to see NoExecute in the first write; it now waits for the raise).
         wait_until(lambda: server.list("resource.k8s.io", "devicetaintrules"), timeout=10, message="the DeviceTaintRule")
+        wait_until(
+            lambda: [r["spec"]["taint"]["effect"] for r in server.list("resource.k8s.io", "devicetaintrules")] == ["NoExecute"],
+            timeout=10, message="the raise to NoExecute after the settle window",
+        )
         rules = server.list("resource.k8s.io", "devicetaintrules")
         assert len(rules) == 1
         rule = rules[0]
@@ -102,7 +108,10 @@ def test_xid79_taints_exactly_that_device_and_recovery_removes_it(cluster):
         assert clock.now() < RESET_AT, "checked before the scripted reset"
 
         # the next collection cycle publishes it
-        m = wait_until(lambda: (lambda m: m if m.get("dra_device_taint_rule") else None)(scrape(agent.server.url)), timeout=5, message="the metrics")
+        m = wait_until(
+            lambda: (lambda m: m if [lab["effect"] for lab, _ in m.get("dra_device_taint_rule", [])] == ["NoExecute"] else None)(scrape(agent.server.url)),
+            timeout=5, message="the metrics",
+        )
         healthy = {lab["uuid"]: v for lab, v in m["gpu_healthy"]}
         assert healthy[bad.uuid] == 0.0
         assert all(v == 1.0 for u, v in healthy.items() if u != bad.uuid)  # the others untouched
@@ -124,11 +133,12 @@ def test_xid79_taints_exactly_that_device_and_recovery_removes_it(cluster):
 
     # Exactly one rule was ever written, for exactly that device; nothing else was touched.
     writes = [q for q in server.requests if q.method in ("POST", "PATCH", "PUT", "DELETE") and "/devicetaintrules" in q.path]
-    assert [q.method for q in writes] == ["POST", "PATCH", "DELETE"]
+    assert [q.method for q in writes] == ["POST", "PATCH", "PATCH", "DELETE"]  # fence, raise, step down, remove
+    assert writes[0].body["spec"]["taint"]["effect"] == "NoSchedule"
     assert all(q.path.endswith("/devicetaintrules") or q.path.endswith("/" + expected_name) for q in writes)
     assert writes[0].body["spec"]["deviceSelector"]["device"] == bad.device_name
     events = sorted(server.list("events.k8s.io", "events", namespace="default"), key=lambda e: int(e["metadata"]["resourceVersion"]))
-    assert [e["reason"] for e in events] == ["GPUTainted", "GPUTaintSteppedDown", "GPUUntainted"]
+    assert [e["reason"] for e in events] == ["GPUTainted", "GPUTaintEscalated", "GPUTaintSteppedDown", "GPUUntainted"]
     # Every object the agent sent is valid against the official 1.37 schema.
     assert validator.failures == []
     assert {("resource.k8s.io/v1", "DeviceTaintRule"), ("events.k8s.io/v1", "Event")} <= validator.kinds()

@@ -1,0 +1,42 @@
+"""The cluster NoExecute budget as the remediator sees it: take a slot when a fault domain is
+raised to NoExecute, give it back when the domain steps down or is untainted.
+
+The cluster-wide implementation is :class:`exporter.k8s.budget.ClusterBudget` (one ConfigMap,
+resourceVersion-guarded updates). :class:`LocalBudget` is the same contract inside one process:
+for dry-run (which writes nothing) and for an agent without a namespace to keep the object in.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+
+class Budget(Protocol):
+    def take(self, holder: str) -> bool: ...  # False when full; idempotent for a holder
+    def release(self, holder: str) -> None: ...
+    def held(self, prefix: str | None = None) -> set[str]: ...
+
+
+class LocalBudget:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._held: set[str] = set()
+        self._lock = threading.Lock()
+
+    def take(self, holder: str) -> bool:
+        with self._lock:
+            if holder in self._held:
+                return True
+            if len(self._held) >= self.capacity:
+                return False
+            self._held.add(holder)
+            return True
+
+    def release(self, holder: str) -> None:
+        with self._lock:
+            self._held.discard(holder)
+
+    def held(self, prefix: str | None = None) -> set[str]:
+        with self._lock:
+            return {h for h in self._held if prefix is None or h.startswith(prefix)}
