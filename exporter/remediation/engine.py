@@ -47,7 +47,7 @@ from .budget import Budget, LocalBudget
 from .plan import ADMIN_DELETED, Action, Decision, Effect, OwnedRule, Safety, Target, decide, node_wide, settle_due, settling, wanted
 from .reasons import Suppression
 from .report import Histogram, RemediationReport, TaintRuleView  # noqa: F401  (Histogram: re-exported)
-from .state import NodeState, restore_health, rule_from_object
+from .state import AdminDeletion, NodeState, restore_health, rule_from_object
 from .writer import NameTaken, Outcome, RuleWriter
 
 log = structlog.get_logger(__name__)
@@ -101,7 +101,7 @@ class Remediator:
         self._kill_switch = False
         self._noexecute_times: deque[float] = deque()  # when a fault domain was raised (rate limit)
         self._raised: set[str] = set()  # units (fault domains, or instances) allowed NoExecute
-        self._admin_deleted: dict[tuple[str, str, str], float] = {}
+        self._admin_deleted: dict[tuple[str, str, str], AdminDeletion] = {}
         self._admin_loaded = node_state is None
         # Writes the server refused (4xx) or whose name is taken: key -> ((action, effect, tier),
         # when to ask again, what was said). A new decision for the device is asked at once.
@@ -304,7 +304,7 @@ class Remediator:
         counts as cleared by hand."""
         with self.writer.lock:
             self.writer.owned.pop(key, None)
-        self._admin_deleted[key] = self.clock()
+        self._admin_deleted[key] = AdminDeletion(self.clock(), rule.reason)
         self._save_admin_deleted()
         self._clear_sticky(rule)
 
@@ -446,7 +446,7 @@ class Remediator:
 
     def _decide_and_apply(self, t: Target, h: DeviceHealth, safety: Safety, supports_none: bool, now: float, scope: str, outcomes: list[Outcome]) -> None:
         rule = self.writer.rule(t.key)
-        d = decide(t, h, rule, self.mode, safety, self.cfg.taint_hold_seconds, now, self._admin_deleted.get(t.key))
+        d = decide(t, h, rule, self.mode, safety, self.cfg.taint_hold_seconds, now, self._admin_deleted_at(t.key, h))
         held = self._refused.get(t.key)
         if held is not None:
             if held[0] == (d.action, d.effect, d.tier) and now < held[1]:
@@ -479,6 +479,25 @@ class Remediator:
         if not d.suppressed and self._announced:
             # Applied without any limit: this device's suppression episode (if any) is over.
             self._announced = {tag for tag in self._announced if tag[0] != t.key}
+
+    def _admin_deleted_at(self, key: tuple[str, str, str], h: DeviceHealth) -> float | None:
+        """When an admin's deletion of this device's rule was noticed, for :func:`decide` (which
+        recreates the rule only on evidence newer than that). A deletion read back from the
+        ConfigMap covers a *state* that is still there after a restart (a lost GPU, a failed
+        row remap): the new process sees it "again" but it is the same evidence, so it counts
+        as old for as long as it lasts. Once the device is clean the deletion is forgotten."""
+        entry = self._admin_deleted.get(key)
+        if entry is None:
+            return None
+        if not h.conditions:
+            del self._admin_deleted[key]
+            self._save_admin_deleted()
+            return None
+        fresh = [
+            c for c in h.conditions
+            if c.last_seen > entry.at and (not entry.carried or _event_reason(c.reason) or c.reason != entry.reason)
+        ]
+        return None if fresh else math.inf
 
     def _release_budget(self, targets: list[Target]) -> None:
         """Units no longer holding NoExecute give their budget slot back."""
@@ -599,6 +618,11 @@ class Remediator:
             budget_exhausted=self.budget_exhausted,
             latency=self.latency,
         )
+
+
+def _event_reason(reason: str) -> bool:
+    """Conditions opened by an event (new evidence each time) rather than a polled state."""
+    return reason.startswith("xid_") or reason in ("ecc_double_bit", "gpu_lost_event", "ras_error")
 
 
 def _v(action: Any) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -26,7 +27,14 @@ from .plan import OwnedRule
 log = structlog.get_logger(__name__)
 
 TIMEOUT = (3.0, 5.0)
-ADMIN_DELETED_KEY = "admin-deleted"  # ConfigMap data key: JSON {"driver/pool/device": epoch seconds}
+ADMIN_DELETED_KEY = "admin-deleted"  # ConfigMap data key: JSON {"driver/pool/device": {"at": epoch s, "reason": r}}
+
+
+@dataclass(frozen=True)
+class AdminDeletion:
+    at: float  # when the agent noticed the deletion
+    reason: str = ""  # the condition the deleted rule stood for
+    carried: bool = False  # read back from the ConfigMap: noticed by an earlier process
 
 
 def parse_time(value: str) -> float | None:
@@ -100,7 +108,7 @@ class NodeState:
     def _path(self, name: str = "") -> str:
         return f"/api/v1/namespaces/{self.namespace}/configmaps" + (f"/{name}" if name else "")
 
-    def load(self) -> dict[tuple[str, str, str], float]:
+    def load(self) -> dict[tuple[str, str, str], AdminDeletion]:
         """The remembered deletions. Raises ApiError when the object cannot be read (not 404)."""
         try:
             obj = get_json(self.client, self._path(self.name), timeout=TIMEOUT)
@@ -113,8 +121,8 @@ class NodeState:
         self._rv = (obj.get("metadata") or {}).get("resourceVersion")
         raw = (obj.get("data") or {}).get(ADMIN_DELETED_KEY, "{}")
         try:
-            data = {str(k): float(v) for k, v in json.loads(raw).items()}
-        except (ValueError, TypeError, AttributeError):
+            data = {str(k): {"at": float(v["at"]), "reason": str(v.get("reason", ""))} for k, v in json.loads(raw).items()}
+        except (ValueError, TypeError, AttributeError, KeyError):
             log.warning("node_state_unreadable", configmap=self.name)
             data = {}
         self._written = data
@@ -122,12 +130,12 @@ class NodeState:
         for k, v in data.items():
             parts = k.split("/", 2)
             if len(parts) == 3:
-                out[(parts[0], parts[1], parts[2])] = v
+                out[(parts[0], parts[1], parts[2])] = AdminDeletion(v["at"], v["reason"], carried=True)
         return out
 
-    def save(self, deleted: dict[tuple[str, str, str], float], _tries: int = 3) -> bool:
+    def save(self, deleted: dict[tuple[str, str, str], AdminDeletion], _tries: int = 3) -> bool:
         """Write the set if it changed. False when nothing had to be written."""
-        data = {"/".join(k): round(v, 3) for k, v in sorted(deleted.items())}
+        data = {"/".join(k): {"at": round(v.at, 3), "reason": v.reason} for k, v in sorted(deleted.items())}
         if data == self._written:
             return False
         body = {
