@@ -393,3 +393,41 @@ def test_a_failing_device_never_loses_its_rule_to_a_step_down(ts, effect, safety
         return
     dec = decide(T, h, rule(effect, calm_since=NOW - 10 * HOLD), TaintMode.ENFORCE, safety, HOLD, NOW)
     assert dec.action != "delete"
+
+
+# ------------------------------------------------------------------ fault-domain rails (issue 16)
+
+from exporter.remediation.plan import Action, Effect, node_wide, settle_due, settling  # noqa: E402
+
+
+def test_node_wide_is_a_majority_within_the_window():
+    six_of_eight = {f"g{i}": 100.0 + 0.1 * i for i in range(6)}
+    assert node_wide(six_of_eight, 8, 0.5, 2.0) == set(six_of_eight)
+    assert node_wide({"g0": 100.0, "g1": 100.1, "g2": 100.2, "g3": 100.3}, 8, 0.5, 2.0) == set()  # half is not most
+    assert node_wide({"g0": 100.0, "g1": 160.0}, 4, 0.5, 2.0) == set()  # a minute apart: independent
+    assert node_wide({"g0": 100.0, "g1": 100.5, "g2": 101.0}, 4, 0.5, 2.0) == {"g0", "g1", "g2"}
+    # failures far from the cluster are not swept into it
+    assert node_wide({"g0": 0.0, "g1": 100.0, "g2": 100.5, "g3": 101.0}, 4, 0.5, 2.0) == {"g1", "g2", "g3"}
+    assert node_wide({"g0": 100.0}, 1, 0.5, 2.0) == set()  # one GPU is never a node fault
+
+
+def test_settling_waits_for_the_longer_window():
+    assert settling(100.0, 101.9, 2.0, 1.0) and not settling(100.0, 102.0, 2.0, 1.0)
+    assert settling(100.0, 104.0, 2.0, 5.0) and settle_due(100.0, 2.0, 5.0) == 105.0
+    assert not settling(None, 100.0, 2.0, 2.0)
+
+
+def test_a_settling_fatal_fault_is_fenced_with_noschedule_without_a_suppression():
+    x = d(health(Tier.FATAL), settling=True)
+    assert (x.action, x.effect, x.suppressed) == (Action.CREATE, Effect.NO_SCHEDULE.value, "")
+    x = d(health(Tier.FATAL), rule("NoSchedule", "fatal"), settling=True)
+    assert x.action == Action.KEEP  # raised only once the window is over
+    x = d(health(Tier.FATAL), rule("NoSchedule", "fatal"))
+    assert (x.action, x.effect) == (Action.UPDATE, "NoExecute")
+
+
+def test_an_unreadable_budget_fails_safe_to_noschedule():
+    x = d(health(Tier.FATAL), budget_unavailable=True)
+    assert (x.action, x.effect, x.suppressed) == (Action.CREATE, "NoSchedule", Suppression.BUDGET_UNAVAILABLE)
+    x = d(health(Tier.FATAL), rule("NoExecute", "fatal"), budget_unavailable=True)
+    assert x.action == Action.KEEP  # a raised domain keeps what it has

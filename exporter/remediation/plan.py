@@ -144,27 +144,27 @@ def wanted(health: DeviceHealth, mode: TaintMode, supports_none: bool) -> tuple[
     tier = health.worst
     if tier is None or mode == TaintMode.OFF:
         return None, tier
-    effect = "None" if mode == TaintMode.SHADOW else TIER_EFFECT[tier]
-    if effect == "None" and not supports_none:
+    effect = Effect.NONE.value if mode == TaintMode.SHADOW else TIER_EFFECT[tier]
+    if effect == Effect.NONE.value and not supports_none:
         return None, tier
     return effect, tier
 
 
 def _limit(effect: str, safety: Safety) -> tuple[str | None, str]:
-    if effect != "NoExecute":
+    if effect != Effect.NO_EXECUTE.value:
         return effect, ""
     if safety.settling:
         # Fence now (nothing new lands), evict once the picture is clear: not a suppression,
         # the raise is only pending.
-        return "NoSchedule", ""
+        return Effect.NO_SCHEDULE.value, ""
     if safety.node_fault:
-        return "NoSchedule", Suppression.NODE_FAULT
+        return Effect.NO_SCHEDULE.value, Suppression.NODE_FAULT
     if not safety.rate_ok:
-        return "NoSchedule", Suppression.RATE_LIMIT
+        return Effect.NO_SCHEDULE.value, Suppression.RATE_LIMIT
     if safety.budget_unavailable:
-        return "NoSchedule", Suppression.BUDGET_UNAVAILABLE
+        return Effect.NO_SCHEDULE.value, Suppression.BUDGET_UNAVAILABLE
     if not safety.budget_ok:
-        return ("None" if safety.supports_none else "NoSchedule"), Suppression.BUDGET
+        return (Effect.NONE.value if safety.supports_none else Effect.NO_SCHEDULE.value), Suppression.BUDGET
     return effect, ""
 
 
@@ -257,11 +257,11 @@ def decide(
         return Decision(Action.KEEP, calm_since=calm)
     if safety.kill_switch:
         return Decision(Action.KEEP, calm_since=calm, suppressed=Suppression.KILL_SWITCH)
-    if rule.effect == "NoExecute" and target_rank < EFFECT_RANK["NoSchedule"]:
-        step = "NoSchedule"
+    if rule.effect == Effect.NO_EXECUTE.value and target_rank < EFFECT_RANK[Effect.NO_SCHEDULE.value]:
+        step = Effect.NO_SCHEDULE.value
     else:
         step = limited
-    if step is None or (step == "None" and rule.effect == "None"):
+    if step is None or (step == Effect.NONE.value and rule.effect == Effect.NONE.value):
         return Decision(Action.DELETE, why="recovered")
     # A device with nothing left to show keeps the record of why it was tainted.
     reason, evidence = (reason, evidence) if reason else (rule.reason, rule.evidence)

@@ -22,7 +22,7 @@ import structlog
 from ..health.model import Tier
 from ..k8s.connection import ApiError, get_json, request_json
 from . import names
-from .plan import OwnedRule
+from .plan import Effect, OwnedRule
 
 log = structlog.get_logger(__name__)
 
@@ -57,7 +57,7 @@ def rule_from_object(obj: dict) -> OwnedRule | None:
             pool=sel.get("pool", ""),
             device=sel.get("device", ""),
             uuid=ann.get(names.UUID_ANNOTATION, ""),
-            effect=taint.get("effect", "None"),
+            effect=taint.get("effect", Effect.NONE.value),
             tier=labels.get(names.TIER_LABEL, "") or ann.get(names.TIER_ANNOTATION, ""),
             reason=ann.get(names.REASON_ANNOTATION, ""),
             evidence=ann.get(names.EVIDENCE_ANNOTATION, ""),
