@@ -95,6 +95,11 @@ class Rig:
         readings[self.local[i].uuid] = DeviceReading.failed(self.local[i].uuid, ReadError.LOST)
         self.health.observe(self.local, readings)
 
+    def clean(self) -> None:
+        """A collection cycle in which every local device reads fine."""
+        readings = {d.uuid: DeviceReading(uuid=d.uuid, recovery_action=RecoveryAction.NONE, ecc_uncorrectable_total=0) for d in self.local}
+        self.health.observe(self.local, readings)
+
     def xid(self, uuid: str, code: int = 79) -> None:
         self.health.on_event(DeviceEvent(uuid=uuid, kind=EventKind.XID, code=code, detail="test"))
 
@@ -311,3 +316,33 @@ def test_an_admins_deletion_is_remembered_across_restarts(make_rig):
     # (the domain has been fatal for longer than the settle window: no fence first)
     assert rig.effects() == {"gpu-0": "NoExecute"}
     assert len(cm_writes()) == 2
+
+
+def test_a_fatal_rule_is_kept_after_a_restart_until_a_reset_is_observed(make_rig):
+    """Regression (issue 16, 4): a restarted agent reported the GPU healthy at once and stepped
+    the rule down after the hold, although no reset happened."""
+    if not hasattr(HealthEngine, "restore"):
+        pytest.skip("needs team health's HealthEngine.restore")
+    slices, ids = plain_gpus(8)
+    rig = make_rig(slices, ids)
+    rig.xid(ids[0].uuid, 48)
+    rig.reconcile()
+    rig.clock.advance(SETTLE)
+    rig.reconcile()
+    assert rig.effects() == {"gpu-0": "NoExecute"}
+    rig.rem.stop()
+    rig.restart()
+    for _ in range(3):  # clean readings, hold after hold, but no reset
+        rig.clean()
+        rig.reconcile()
+        rig.clock.advance(HOLD)
+    assert rig.effects() == {"gpu-0": "NoExecute"}
+    assert not rig.health.health(ids[0].uuid).healthy  # and the metrics agree with the rule
+    rig.health.on_event(DeviceEvent(uuid=ids[0].uuid, kind=EventKind.RESET))
+    rig.clock.advance(POLICY.clear_hold)
+    rig.clean()
+    assert rig.health.health(ids[0].uuid).healthy
+    rig.reconcile()
+    rig.clock.advance(HOLD)
+    rig.reconcile()
+    assert rig.effects() == {"gpu-0": "NoSchedule"}  # now it steps down
