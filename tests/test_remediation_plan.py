@@ -431,3 +431,26 @@ def test_an_unreadable_budget_fails_safe_to_noschedule():
     assert (x.action, x.effect, x.suppressed) == (Action.CREATE, "NoSchedule", Suppression.BUDGET_UNAVAILABLE)
     x = d(health(Tier.FATAL), rule("NoExecute", "fatal"), budget_unavailable=True)
     assert x.action == Action.KEEP  # a raised domain keeps what it has
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute module names a module imports (relative imports resolved against its package)."""
+    pkg = ".".join(path.relative_to(Path(__file__).parents[1]).with_suffix("").parts[:-1])
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = pkg.rsplit(".", node.level - 1)[0] if node.level else ""
+            out.add(f"{base}.{node.module}" if node.level and node.module else (node.module or base))
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+def test_no_layering_back_edges():
+    """The k8s layer never imports the remediator (names it writes live in exporter.k8s.names),
+    and the remediator never imports the metrics layer (its report has its own views)."""
+    root = Path(__file__).parents[1] / "exporter"
+    for f in (root / "k8s").glob("*.py"):
+        assert not [m for m in _imports(f) if m.startswith("exporter.remediation")], f
+    for f in (root / "remediation").glob("*.py"):
+        assert not [m for m in _imports(f) if m.startswith("exporter.metrics")], f
