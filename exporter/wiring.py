@@ -71,7 +71,7 @@ def build_remediator(cfg: Config, api, agent: Agent, clock: Callable[[], float],
     else:
         kw["budget"] = _cluster_budget(ClusterBudget, api, ns, cfg)
         kw["node_watch"] = NodeWatch(api, cfg.node_name)
-        kw["owned_rules"] = OwnedRuleWatch(api, cfg.node_name, None)
+        kw["owned_rules"] = lambda version: OwnedRuleWatch(api, cfg.node_name, version)
     return Remediator(cfg, api, agent.health, agent.src.slices, clock=clock, resync=resync, **kw)
 
 

@@ -71,7 +71,7 @@ class Remediator:
         events: EventRecorder | None = None,
         budget: Budget | None = None,
         node_state: NodeState | None = None,
-        owned_rules: Any = None,  # exporter.k8s.watch.OwnedRuleWatch; None: list every ``resync`` s
+        owned_rules: Any = None,  # OwnedRuleWatch, or a factory taking the served version; None: list every ``resync`` s
         node_watch: Any = None,  # exporter.k8s.watch.NodeWatch; None: GET the Node every ``resync`` s
     ) -> None:
         self.cfg = cfg
@@ -88,8 +88,12 @@ class Remediator:
         self.writer.on_deleted_by_someone = self._deleted_by_someone
         self.budget: Budget = budget if budget is not None else LocalBudget(cfg.taint_budget_max)
         self.node_state = node_state
-        self.owned_rules = owned_rules
+        # The rule watch needs the served DeviceTaintRule version, known after discovery: a
+        # factory is called then (see _ensure_watches).
+        self._owned_rules_factory = owned_rules if callable(owned_rules) and not hasattr(owned_rules, "objects") else None
+        self.owned_rules = None if self._owned_rules_factory is not None else owned_rules
         self.node_watch = node_watch
+        self._started = False
         self.suppressed: Counter[str] = Counter()
         self.budget_exhausted = False
         self.last_error: str | None = None
@@ -139,6 +143,7 @@ class Remediator:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
+        self._started = True
         for w in (self.owned_rules, self.node_watch):
             if w is not None and hasattr(w, "start"):
                 w.start()
@@ -249,8 +254,6 @@ class Remediator:
             for key, r in found.items():
                 mine = owned.get(key)
                 if mine is None:
-                    if self._adopted and self.owned_rules is not None:
-                        continue  # our own create seen by the watch before the answer: no adoption
                     self.actions["adopt"] += 1
                     log.info("rule_adopted", rule=r.name, device=r.device, effect=r.effect)
                     owned[key] = r
@@ -281,6 +284,16 @@ class Remediator:
                 self.health.mark_sticky(r.uuid, f"sticky label on DeviceTaintRule {r.name} (failed too often before the agent restarted); clear by hand")
         self._adopted = True
         self._last_resync = time.monotonic()
+
+    def _ensure_watches(self) -> None:
+        if self._owned_rules_factory is None or self.mode == TaintMode.DRY_RUN:
+            return
+        self.owned_rules = self._owned_rules_factory(self.rules.served().version)
+        self._owned_rules_factory = None
+        if hasattr(self.owned_rules, "on_change"):
+            self.owned_rules.on_change = self.poke
+        if self._started and hasattr(self.owned_rules, "start"):
+            self.owned_rules.start()
 
     def _seen_by_watch(self, rule: OwnedRule) -> bool:
         """With a watch, a rule we created moments ago may not be in its cache yet: only a rule
@@ -335,6 +348,7 @@ class Remediator:
         try:
             supports_none = True if self.mode == TaintMode.DRY_RUN else self.rules.served().supports_none
             self.api_served = True if self.mode != TaintMode.DRY_RUN else self.api_served
+            self._ensure_watches()
             self._resync()
         except TaintRulesUnavailable as e:
             self.api_served = False
