@@ -251,9 +251,13 @@ class Remediator:
         adopted: list[OwnedRule] = []
         with self.writer.lock:
             owned = self.writer.owned
+            names_seen = {r.name for r in found.values()}
+            self.writer.deleted &= names_seen  # gone from the view: no longer in doubt
             for key, r in found.items():
                 mine = owned.get(key)
                 if mine is None:
+                    if r.name in self.writer.deleted:
+                        continue  # deleted by us a moment ago; the watch has not caught up
                     self.actions["adopt"] += 1
                     log.info("rule_adopted", rule=r.name, device=r.device, effect=r.effect)
                     owned[key] = r

@@ -59,6 +59,9 @@ class RuleWriter:
         self.lock = threading.RLock()
         self.actions: Counter[str] = Counter()
         self.latency = Histogram()
+        # Rules this agent deleted: a watch may still show them for a moment, and they must not
+        # be adopted back (cleared by the engine once the watch no longer shows them).
+        self.deleted: set[str] = set()
         self.on_deleted_by_someone: Callable[[tuple[str, str, str], OwnedRule], None] = lambda k, r: None
 
     # -- the record ------------------------------------------------------------------------
@@ -225,6 +228,7 @@ class RuleWriter:
             self.actions["dry_run"] += 1
             return None
         self.rules.delete(rule.name, rule.uid or None)
+        self.deleted.add(rule.name)
         self.actions[Action.DELETE.value] += 1
         log.warning("rule_deleted", rule=rule.name, device=t.device, why=d.why)
         event = "HardwareSwapDetected" if d.why == "hardware_swap" else "GPUUntainted"
