@@ -346,3 +346,25 @@ def test_a_fatal_rule_is_kept_after_a_restart_until_a_reset_is_observed(make_rig
     rig.clock.advance(HOLD)
     rig.reconcile()
     assert rig.effects() == {"gpu-0": "NoSchedule"}  # now it steps down
+
+
+def test_an_instance_scoped_fault_touches_only_that_instance(make_rig):
+    """A condition the health engine scopes to one MIG instance (an XID NVML attributes to its
+    GPU/compute instance, the instance's own ECC) covers that instance's device only: no
+    sibling's rule, no parent's. (The condition is put in through HealthEngine.restore, the
+    agreed way to create one on a given device.)"""
+    if not hasattr(HealthEngine, "restore"):
+        pytest.skip("needs team health's HealthEngine.restore")
+    from exporter.health.model import Tier
+
+    rig, migs = static_mig_rig(make_rig)
+    target = next(m for m in migs if "2g20gb" in m)
+    inst = next(i for i in rig.local if i.parent_uuid and i.gi_profile_id == 14)
+    rig.health.restore(inst.uuid, "xid_94", Tier.FATAL, rig.clock(), "XID 94 on GI 1 CI 0", True)
+    rig.reconcile()
+    rig.clock.advance(SETTLE)
+    rig.reconcile()
+    assert rig.effects() == {target: "NoExecute"}
+    assert rig.health.health(nv_gpu(0).uuid).healthy  # the parent is not booked
+    (r,) = rig.rules()
+    assert r["metadata"]["annotations"][names.SCOPE_ANNOTATION] == "instance"
