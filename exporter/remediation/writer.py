@@ -108,8 +108,7 @@ class RuleWriter:
         if d.action == Action.UPDATE:
             return self.update(t, rule, d, now)
         if d.action == Action.REFRESH:
-            self.refresh(t, rule, d, now)
-            return None
+            return self.refresh(t, rule, d, now)
         if d.action == Action.DELETE:
             return self.delete(t, rule, d)
         raise ValueError(f"unknown action {d.action!r}")
@@ -189,21 +188,22 @@ class RuleWriter:
         rule.reset_required = d.tier == Tier.FATAL.value
         return True
 
-    def refresh(self, t: Target, rule: OwnedRule, d: Decision, now: float) -> None:
+    def refresh(self, t: Target, rule: OwnedRule, d: Decision, now: float) -> Outcome | None:
         """Same effect, newer record. Told in an Event when it says something new to a person
         (another reason, the device turned sticky); evidence-only refreshes are not."""
         if rule.virtual:
             rule.reason, rule.evidence, rule.sticky, rule.refreshed_at = d.reason, d.evidence[:EVIDENCE_MAX], rule.sticky or d.sticky, now
-            return
+            return None
         old_reason, was_sticky = rule.reason, rule.sticky
         if not self._patch(t, rule, d, now):
-            return
+            return None
         self.actions[Action.REFRESH.value] += 1
         log.info("rule_refreshed", rule=rule.name, device=t.device, reason=d.reason, sticky=rule.sticky)
         if rule.sticky and not was_sticky:
-            self.events.record(self.ref(rule.name), "GPUTaintSticky", f"{t.device} ({t.uuid}) failed too often: rule {rule.effect} stays until a person deletes it or removes its label {names.STICKY_LABEL}", "Taint", warning=True)
-        elif d.reason != old_reason:
-            self.events.record(self.ref(rule.name), "GPUTaintUpdated", f"{t.device} ({t.uuid}) still {rule.effect}: reason {old_reason or 'unknown'} -> {d.reason}. {d.evidence}", "Taint")
+            return Outcome(t, "GPUTaintSticky", rule.name, rule.effect, rule.effect, rule.tier, d.reason, d.evidence)
+        if d.reason != old_reason:
+            return Outcome(t, "GPUTaintUpdated", rule.name, rule.effect, rule.effect, rule.tier, d.reason, d.evidence, why=old_reason or "unknown")
+        return None
 
     def update(self, t: Target, rule: OwnedRule, d: Decision, now: float) -> Outcome | None:
         if rule.virtual:
@@ -252,6 +252,12 @@ class RuleWriter:
             elif event in ("GPUTaintEscalated", "GPUTaintSteppedDown"):
                 note = f"{what}{ident}: {first.effect_from} -> {first.effect_to} ({first.tier} {first.reason})".strip()
                 self.events.record(self.ref(first.rule), event, note, "Taint", warning=event == "GPUTaintEscalated")
+            elif event == "GPUTaintSticky":
+                note = f"{what}{ident} failed too often: rule {first.effect_to} stays until a person deletes it or removes its label {names.STICKY_LABEL}"
+                self.events.record(self.ref(first.rule), event, note, "Taint", warning=True)
+            elif event == "GPUTaintUpdated":
+                note = f"{what}{ident} still {first.effect_to}: reason {first.why} -> {first.reason}. {first.evidence}"
+                self.events.record(self.ref(first.rule), event, note, "Taint")
             elif event == "HardwareSwapDetected":
                 note = f"{what}: the rule named GPU {first.evidence}, the device is now {first.target.uuid}; rule removed"
                 self.events.record(self.ref(first.rule), event, note, "Untaint")
