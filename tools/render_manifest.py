@@ -116,16 +116,20 @@ def differences() -> list[str]:
     out = []
     for path, data in expected_copies().items():
         if not path.exists() or path.read_bytes() != data:
-            out.append(f"{path.relative_to(REPO)}: differs from its source")
-    out += [f"{p.relative_to(REPO)}: has no source any more" for p in stale_copies()]
+            out.append(f"{_rel(path)}: differs from its source")
+    out += [f"{_rel(p)}: has no source any more" for p in stale_copies()]
     # Manifests are rendered from the chart as it is on disk now, copies included.
     for path, text in expected_manifests().items():
         current = path.read_text() if path.exists() else ""
         if current != text:
-            diff = difflib.unified_diff(current.splitlines(), text.splitlines(), str(path.relative_to(REPO)),
+            diff = difflib.unified_diff(current.splitlines(), text.splitlines(), _rel(path),
                                         "rendered", lineterm="", n=1)
             out.append("\n".join(list(diff)[:40]))
     return out
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def write() -> None:
