@@ -55,7 +55,8 @@ SCENARIO = {
     "faults": [
         {"kind": "xid", "gpu": "gpu1", "at": "5s", "code": 79},
         {"kind": "lost", "gpu": "gpu1", "at": "5s"},
-        {"kind": "reset", "gpu": "gpu1", "at": "40s"},
+        # ~5 s of real time after the fault: room for a settle window before NoExecute
+        {"kind": "reset", "gpu": "gpu1", "at": "100s"},
     ],
 }
 
@@ -215,6 +216,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
             server.set_validator(validator)
             publish_scenario(server, sc)
             server.clear_requests()  # what the test set up is not the agent's
+            validator.objects.clear()
             kubeconfig = write_kubeconfig(tmp / "kubeconfig", server.url)
             clock = SimClock(SCALE, start_offset=-20.0)
             cfg = Config(
@@ -228,7 +230,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
             try:
                 wait_until(lambda: server.list("resource.k8s.io", "devicetaintrules"), timeout=60, message="the fault's rule")
                 wait_until(lambda: not server.list("resource.k8s.io", "devicetaintrules")
-                           and clock.now() > 40.0, timeout=90, message="the recovery")
+                           and clock.now() > 100.0, timeout=120, message="the recovery")
             finally:
                 agent.stop()
             log = server.requests
