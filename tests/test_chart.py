@@ -77,6 +77,23 @@ def _validate(doc: dict[str, Any]) -> list[str]:
     return done
 
 
+def _check_operator_fields(doc: dict[str, Any]) -> None:
+    """The field whitelist taken from the Prometheus Operator's CRDs (test_manifests.py)."""
+    from test_manifests import SERVICE_MONITOR_FIELDS as F
+
+    spec = doc["spec"]
+    if doc["kind"] == "PrometheusRule":
+        assert set(spec) == {"groups"} and spec["groups"]
+        return
+    assert set(spec) <= F["spec"] | {"podMetricsEndpoints"}, doc["kind"]
+    endpoints = spec["endpoints"] if doc["kind"] == "ServiceMonitor" else spec["podMetricsEndpoints"]
+    allowed = F["endpoint"] if doc["kind"] == "ServiceMonitor" else (F["endpoint"] - {"bearerTokenFile", "targetPort"}) | {"portNumber"}
+    for endpoint in endpoints:
+        assert set(endpoint) <= allowed, set(endpoint) - allowed
+        for relabel in endpoint.get("relabelings", []):
+            assert set(relabel) <= F["relabeling"]
+
+
 # --- one source of truth ----------------------------------------------------------------------
 
 
@@ -124,6 +141,7 @@ def test_every_render_validates_strictly(toggle: str) -> None:
         if doc["kind"] in CRD_KINDS:
             assert _validate(doc) == [], ident
             assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+            _check_operator_fields(doc)
         else:
             assert _validate(doc) == VERSIONS, ident
 
