@@ -417,7 +417,12 @@ class Remediator:
             return Safety(node_fault=True, **base), False
         if len(self._noexecute_times) >= self.cfg.taint_rate_limit:
             return Safety(rate_ok=False, **base), False
-        if self.mode == TaintMode.DRY_RUN or self._kill_switch:
+        if self._kill_switch:
+            return Safety(**base), True  # nothing is written; nothing to count
+        if self.mode == TaintMode.DRY_RUN:
+            # decides like enforce (rate limit included) but takes no budget: it writes nothing
+            self._raised.add(unit)
+            self._noexecute_times.append(now)
             return Safety(**base), True
         try:
             took = self.budget.take(self._holder(unit))
