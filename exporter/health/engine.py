@@ -250,6 +250,9 @@ class HealthEngine:
         levels: dict[str, tuple[Tier, str]] = {}
         if not r.ok:
             self.read_errors[(uuid, (r.error or ReadError.ERROR).value)] += 1
+            if r.error == ReadError.LATE:
+                # No news about the device either way: its conditions neither start nor clear.
+                return
             if r.error == ReadError.LOST:
                 levels["gpu_lost"] = (Tier.FATAL, r.error_detail or "GPU is lost")
             elif r.error == ReadError.TIMEOUT:
