@@ -85,7 +85,10 @@ class Config:
     # remediation timing (team remediation, issue 16): every delay a fault goes through
     taint_settle_seconds: float = 2.0  # a new fatal fault is NoSchedule this long before NoExecute
     node_fault_window: float = 2.0  # failures this close together count as one node-wide event
-    health_clear_hold: float = 120.0  # a fatal fault clears this long after an observed GPU reset
+    # health evidence (team health): how long a device call must stay stuck before the device
+    # counts as hung (driver_hung, fatal), and how long a fatal fault stays after a GPU reset
+    hung_after: float = 30.0
+    fault_clear_seconds: float = 120.0
     # demo only
     scenario: str | None = None
     time_scale: float = 1.0
@@ -209,7 +212,9 @@ def _add_common(p: argparse.ArgumentParser, demo: bool = False) -> None:
     # remediation timing (team remediation)
     p.add_argument("--taint-settle-seconds", metavar="S", help="a new fatal fault is NoSchedule this long, then NoExecute unless the node-wide test trips (default 2)")
     p.add_argument("--node-fault-window", metavar="S", help="GPU failures this close together count together for the node-wide test (default 2)")
-    p.add_argument("--health-clear-hold", metavar="S", help="a fatal fault clears this long after an observed GPU reset (default 120)")
+    # health evidence
+    p.add_argument("--hung-after", metavar="SECONDS", help="a device call stuck this long, while the agent itself gets CPU, makes the device driver_hung (fatal) (default 30)")
+    p.add_argument("--fault-clear-seconds", metavar="SECONDS", help="a fatal fault clears this long after a GPU reset, a polled fault this long after it was last seen (default 120)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -364,8 +369,11 @@ def _resolve(ns: argparse.Namespace, pick: Callable[..., str | None]) -> Config:
         kw["taint_settle_seconds"] = _positive_float("--taint-settle-seconds", v, 0, 600)
     if (v := pick("node-fault-window")) is not None:
         kw["node_fault_window"] = _positive_float("--node-fault-window", v, 0, 600)
-    if (v := pick("health-clear-hold")) is not None:
-        kw["health_clear_hold"] = _positive_float("--health-clear-hold", v, 0, 86400)
+    # health evidence
+    if (v := pick("hung-after")) is not None:
+        kw["hung_after"] = _positive_float("--hung-after", v, 0, 3600)
+    if (v := pick("fault-clear-seconds")) is not None:
+        kw["fault_clear_seconds"] = _positive_float("--fault-clear-seconds", v, 0, 7 * 86400)
 
     demo = getattr(ns, "command", None) == "demo"
     if demo:

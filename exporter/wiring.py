@@ -45,8 +45,6 @@ def build_agent(
             src.pods = NodePods(api, cfg.node_name)
     if cfg.per_process:
         src.processes = process_memory
-    if health_policy is None:
-        health_policy = HealthPolicy(clear_hold=cfg.health_clear_hold)  # --health-clear-hold
     agent = Agent(cfg, src, clock=clock, health_policy=health_policy)
     if api is not None and cfg.taint_mode != TaintMode.OFF:
         src.remediation = build_remediator(cfg, api, agent, clock, remediation_resync)

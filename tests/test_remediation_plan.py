@@ -463,14 +463,14 @@ def test_every_remediation_delay_is_a_validated_flag_and_env_var(monkeypatch):
         return resolve(build_parser().parse_args(["--node-name", "n", *argv]))
 
     c = cfg()
-    assert (c.taint_settle_seconds, c.node_fault_window, c.health_clear_hold, c.taint_hold_seconds) == (2.0, 2.0, 120.0, 1800.0)
-    c = cfg("--taint-settle-seconds", "5", "--node-fault-window", "1.5", "--health-clear-hold", "30")
-    assert (c.taint_settle_seconds, c.node_fault_window, c.health_clear_hold) == (5.0, 1.5, 30.0)
+    assert (c.taint_settle_seconds, c.node_fault_window, c.fault_clear_seconds, c.taint_hold_seconds) == (2.0, 2.0, 120.0, 1800.0)
+    c = cfg("--taint-settle-seconds", "5", "--node-fault-window", "1.5", "--fault-clear-seconds", "30")
+    assert (c.taint_settle_seconds, c.node_fault_window, c.fault_clear_seconds) == (5.0, 1.5, 30.0)
     monkeypatch.setenv("DRA_GPU_EXPORTER_TAINT_SETTLE_SECONDS", "0.5")
     monkeypatch.setenv("DRA_GPU_EXPORTER_NODE_FAULT_WINDOW", "3")
-    monkeypatch.setenv("DRA_GPU_EXPORTER_HEALTH_CLEAR_HOLD", "60")
+    monkeypatch.setenv("DRA_GPU_EXPORTER_FAULT_CLEAR_SECONDS", "60")
     c = cfg()
-    assert (c.taint_settle_seconds, c.node_fault_window, c.health_clear_hold) == (0.5, 3.0, 60.0)
-    for flag, bad in (("--taint-settle-seconds", "-1"), ("--node-fault-window", "nan"), ("--health-clear-hold", "1e9")):
+    assert (c.taint_settle_seconds, c.node_fault_window, c.fault_clear_seconds) == (0.5, 3.0, 60.0)
+    for flag, bad in (("--taint-settle-seconds", "-1"), ("--node-fault-window", "nan"), ("--fault-clear-seconds", "1e9")):
         with pytest.raises(ConfigError):
             cfg(flag, bad)

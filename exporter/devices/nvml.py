@@ -32,6 +32,7 @@ import math
 import re
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -874,8 +875,16 @@ class NvmlBackend(DeviceBackend):
         t.start()
         log.info("nvml_events_started", devices=len(registered))
 
+    def event_heartbeat(self) -> float | None:
+        """The event thread's latest turn round its loop (None: no event thread running)."""
+        t = self._event_thread
+        if t is None or self._stop.is_set():
+            return None
+        return getattr(self, "_event_beat", None)
+
     def _event_loop(self, es: Any, sink: EventSink, registered: dict[int, str]) -> None:
         while not self._stop.is_set():
+            self._event_beat = time.monotonic()  # liveness: the loop still turns
             try:
                 data = pynvml.nvmlEventSetWait_v2(es, self._event_wait_ms)
             except pynvml.NVMLError_Timeout:
