@@ -82,8 +82,8 @@ def restore_health(health: Any, rules: list[OwnedRule], now: float) -> int:
         return 0
     done: set[tuple[str, str]] = set()
     for r in rules:
-        if not r.reason or r.tier not in {t.value for t in Tier}:
-            continue
+        if not r.reason or r.tier not in {t.value for t in Tier} or r.sticky:
+            continue  # (a sticky rule comes back through mark_sticky: its label is the record)
         uuid = r.uuid if r.scope == "instance" or not r.gpu else r.gpu
         if not uuid or (uuid, r.reason) in done:
             continue
