@@ -26,10 +26,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from exporter.config import Config, TaintMode  # noqa: E402
-from exporter.devices.sim import SimBackend, SimClock  # noqa: E402
+from drasim.backend import SimBackend, SimClock  # noqa: E402
 from exporter.health.engine import HealthPolicy  # noqa: E402
 from exporter.logs import configure  # noqa: E402
-from exporter.sim.scenario import parse_scenario  # noqa: E402
+from drasim.scenario import parse_scenario  # noqa: E402
 
 RESULTS: dict = {}
 
@@ -68,7 +68,7 @@ class Node:
     """A simulated node with the real agent wired to an in-process kubelet and API server."""
 
     def __init__(self, scenario: dict, interval: float = 1.0, taint_mode: TaintMode = TaintMode.ENFORCE, time_scale: float = 1.0, policy: HealthPolicy | None = None, hold: float = 1800.0) -> None:
-        from exporter.sim.demo import DemoCluster
+        from drasim.demo import DemoCluster
         from exporter.wiring import build_agent
 
         self.sc = parse_scenario(scenario)
@@ -323,7 +323,7 @@ def bench_soak(cycles: int = 10000, cpu_seconds: float = 30.0) -> None:
     the kubelet and API emulations it talks to."""
     import subprocess
 
-    from exporter.sim.demo import DemoCluster
+    from drasim.demo import DemoCluster
 
     sc = big_scenario(pods=32, claims=32)
     sc["gpus"] = sc["gpus"][:8]

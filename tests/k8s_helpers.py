@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 import yaml
 from kubernetes import client
 
-from exporter.sim import objects
-from exporter.sim.apiserver import FakeApiServer
-from exporter.sim.scenario import Scenario
+from drasim import objects
+from drasim.apiserver import FakeApiServer
+from drasim.scenario import Scenario
 
 T = TypeVar("T")
 

@@ -23,11 +23,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.agent import Agent
 from exporter.config import Config, TaintMode
-from exporter.devices.sim import SimBackend, SimClock
-from exporter.sim import objects
-from exporter.sim.apiserver import FakeApiServer
-from exporter.sim.kubelet import FakeKubelet
-from exporter.sim.scenario import Scenario, bundled_scenarios, default_scenario, load_scenario, parse_scenario
+from drasim.backend import SimBackend, SimClock
+from drasim import objects
+from drasim.apiserver import FakeApiServer
+from drasim.kubelet import FakeKubelet
+from drasim.scenario import Scenario, bundled_scenarios, default_scenario, load_scenario, parse_scenario
 from exporter.wiring import build_agent
 
 # ------------------------------------------------------------------ helpers
@@ -122,7 +122,7 @@ def simulated_node(sc: Scenario, *, start_kubelet: bool = True, t: float = 0.0, 
 
 def with_faults(sc: Scenario, *faults: dict) -> Scenario:
     """The scenario with extra faults (``{"kind": ..., "gpu": ..., "at": ...}``)."""
-    from exporter.sim.scenario import Fault
+    from drasim.scenario import Fault
 
     extra = tuple(Fault(kind=f["kind"], gpu=f["gpu"], at=f.get("at", 0.0), until=f.get("until"), code=f.get("code", 0)) for f in faults)
     return dataclasses.replace(sc, faults=tuple(sorted(sc.faults + extra, key=lambda f: f.at)))

@@ -26,7 +26,7 @@ from exporter.config import (
     parse_listen,
     resolve,
 )
-from exporter.sim.scenario import bundled_scenarios
+from drasim.scenario import bundled_scenarios
 
 
 @pytest.fixture(autouse=True)

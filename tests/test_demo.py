@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.sim.scenario import bundled_scenarios
+from drasim.scenario import bundled_scenarios
 
 
 def free_port() -> int:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from exporter.sim.scenario import default_scenario
+from drasim.scenario import default_scenario
 from prom_helpers import NO_PROMETHEUS_REASON, PROMETHEUS, free_port, http_get, start_prometheus, stop_process, wait_until
 
 pytestmark = [pytest.mark.skipif(PROMETHEUS is None, reason=NO_PROMETHEUS_REASON), pytest.mark.slow]

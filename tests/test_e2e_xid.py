@@ -18,12 +18,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from validation import StrictValidator, validate_strict
 
 from exporter.config import Config, TaintMode
-from exporter.devices.sim import SimBackend, SimClock
+from drasim.backend import SimBackend, SimClock
 from exporter.health.engine import HealthPolicy
 from exporter.remediation import names
-from exporter.sim import objects
-from exporter.sim.kubelet import FakeKubelet
-from exporter.sim.scenario import parse_scenario
+from drasim import objects
+from drasim.kubelet import FakeKubelet
+from drasim.scenario import parse_scenario
 from exporter.wiring import build_agent
 
 SCALE = 20.0  # simulated seconds per real second

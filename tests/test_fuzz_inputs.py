@@ -34,9 +34,9 @@ from hypothesis import strategies as st
 from exporter.cli import main
 from exporter.config import ENV_PREFIX, Config, ConfigError, TaintMode, build_parser, check_kubelet_socket, parse_listen, resolve
 from exporter.devices.model import ReadError, RecoveryAction
-from exporter.devices.sim import SimBackend, SimClock
-from exporter.sim import objects
-from exporter.sim.scenario import Scenario, ScenarioError, bundled_scenarios, load_scenario, parse_scenario
+from drasim.backend import SimBackend, SimClock
+from drasim import objects
+from drasim.scenario import Scenario, ScenarioError, bundled_scenarios, load_scenario, parse_scenario
 from tree_helpers import tree_paths
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "scenarios.md"

@@ -43,11 +43,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.config import Config, TaintMode
 from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, RecoveryAction, Vendor
-from exporter.devices.sim import SimBackend, SimClock
+from drasim.backend import SimBackend, SimClock
 from exporter.health.engine import HealthEngine, HealthPolicy
-from exporter.sim import objects
-from exporter.sim.kubelet import FakeKubelet
-from exporter.sim.scenario import bundled_scenarios, parse_scenario
+from drasim import objects
+from drasim.kubelet import FakeKubelet
+from drasim.scenario import bundled_scenarios, parse_scenario
 from exporter.wiring import build_agent
 
 # ------------------------------------------------------------------ helpers

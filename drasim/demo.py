@@ -22,9 +22,16 @@ from pathlib import Path
 
 import structlog
 
-from ..config import Config
-from ..health.engine import HealthPolicy
-from .scenario import PodSpec, Scenario, ScenarioError, default_scenario, load_scenario
+from exporter.cli import stop_on_signals
+from exporter.config import Config
+from exporter.health.engine import HealthPolicy
+from exporter.wiring import build_agent
+
+from . import objects
+from .apiserver import FakeApiServer
+from .backend import SimBackend, SimClock
+from .kubelet import FakeKubelet
+from .scenario import PodSpec, Scenario, ScenarioError, bundled_scenarios, default_scenario, load_scenario
 
 log = structlog.get_logger(__name__)
 
@@ -47,10 +54,6 @@ class DemoCluster:
     """The simulated cluster around the agent: kubelet, API server, and the eviction controller."""
 
     def __init__(self, scenario: Scenario, clock, workdir: Path) -> None:
-        from ..sim.apiserver import FakeApiServer
-        from ..sim.kubelet import FakeKubelet
-        from . import objects
-
         self.sc = scenario
         self.clock = clock
         self.objects = objects
@@ -161,11 +164,14 @@ def summary_line(agent, cluster: DemoCluster) -> str:
     )
 
 
-def run_demo(cfg: Config, stop: threading.Event | None = None) -> int:
-    from ..cli import stop_on_signals
-    from ..devices.sim import SimBackend, SimClock
-    from ..wiring import build_agent
+def list_scenarios() -> int:
+    """``dra-gpu-exporter demo --list-scenarios``: name and file of each bundled scenario."""
+    for name, path in bundled_scenarios().items():
+        print(f"{name}\t{path}")
+    return 0
 
+
+def run_demo(cfg: Config, stop: threading.Event | None = None) -> int:
     try:
         scenario = load_scenario(cfg.scenario) if cfg.scenario else default_scenario()
     except ScenarioError as e:

@@ -16,9 +16,10 @@ from typing import Iterable
 
 import structlog
 
-from ..sim.scenario import Fault, GpuSpec, MigSpec, Scenario
-from .base import DeviceBackend, EventSink
-from .model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction, Vendor
+from exporter.devices.base import DeviceBackend, EventSink
+from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction, Vendor
+
+from .scenario import Fault, GpuSpec, MigSpec, Scenario
 
 log = structlog.get_logger(__name__)
 
