@@ -75,7 +75,7 @@ def test_status_line_explains_a_taint_held_after_recovery(tmp_path):
         assert "conditions: none" not in during and "xid_79" in during, during
         held = wait_for(lambda: line_with(r"recovered"), 120, "the GPU to recover while its rule is held")
         assert "gpu-1=NoExecute" in held or "gpu-1=" in held, held
-        assert "conditions: none" not in held and f"after {HOLD:g}s healthy" in held, held
+        assert "conditions: none" not in held and f"gpu-1=NoExecute held until {HOLD:g}s healthy" in held, held
         # invariant over every line seen: a NoExecute taint never sits beside "conditions: none"
         assert not [x for x in lines if "conditions: none" in x and "NoExecute" in x], lines
     finally:

@@ -171,7 +171,7 @@ def summary_line(agent, cluster: DemoCluster, hold: float = DEMO_HOLD) -> str:
         uuid = names.get(r.device, "")
         h = health.get(uuid) or health.get(parents.get(uuid, ""))
         if uuid and not (h and h.conditions):
-            conds.append(f"{uuid[:12]} ({r.device}) recovered, its {r.effect} taint steps down after {hold:g}s healthy")
+            conds.append(f"{uuid[:12]} ({r.device}) recovered, {r.device}={r.effect} held until {hold:g}s healthy")
     taints = ", ".join(f"{r.device}={r.effect}" for r in rules) if rem else "off"
     bad_claims = sum(1 for c in snap.claims if not c.healthy)
     return (
