@@ -215,6 +215,11 @@ def test_the_dcgm_dashboard_gets_data_from_the_demo(tmp_path: Path) -> None:
             # the demo's shared claim: one series per pod, with dcgm-exporter's pod and DRA labels
             shared = prom.wait_for_query('DCGM_FI_DEV_FB_USED{dra_claim_name="shared-gpu"}', timeout=30)
             assert {r["metric"]["pod"] for r in shared} and all(r["metric"]["namespace"] == "ml" for r in shared)
+            # MIG instances: UUID and gpu are their parent GPU's (gpu_info's index), GPU_I_ID is set
+            mig = prom.wait_for_query('DCGM_FI_DEV_FB_USED{GPU_I_PROFILE!=""}', timeout=30)
+            gpus = {r["metric"]["UUID"]: r["metric"]["gpu"] for r in prom.query('DCGM_FI_DEV_FB_USED{GPU_I_PROFILE=""}')}
+            assert len({r["metric"]["uuid"] for r in mig}) == 2 and all(r["metric"]["GPU_I_ID"] for r in mig)
+            assert all(r["metric"]["uuid"] != r["metric"]["UUID"] and gpus[r["metric"]["UUID"]] == r["metric"]["gpu"] for r in mig), mig
             # every provided field has data in the demo, except what the simulated GPUs lack (an
             # occupancy counter) and the XID count, which exists once the scripted XID has come
             names = prom.metric_names()
