@@ -54,6 +54,8 @@ class Sources:
 
 class Agent:
     KUBELET_GRACE = 300.0  # seconds to keep the last allocations while the kubelet is unreachable
+    LIVENESS_FLOOR = 30.0  # no completed cycle for at least this long (and 6 intervals): sampler stuck
+    EVENT_STALL = 60.0  # the device event thread's loop (a wait with a timeout) not turning this long: stuck
 
     def __init__(self, cfg: Config, sources: Sources, clock: Callable[[], float] = time.time, health_policy: HealthPolicy | None = None) -> None:
         self.cfg = cfg
@@ -180,7 +182,12 @@ class Agent:
 
     def _read_devices(self) -> dict[str, DeviceReading]:
         backend = self.src.backend
-        idents = self.runner.call("enumerate", backend.enumerate, self.cfg.call_timeout)
+        try:
+            idents = self.runner.call("enumerate", backend.enumerate, self.cfg.call_timeout)
+        except CallHung as e:
+            if e.running_for is None:
+                self.starvation.note_unstarted("enumerate")
+            raise
         if [i.uuid for i in idents] != [i.uuid for i in self._identities]:
             gone = {i.uuid for i in self._identities} - {i.uuid for i in idents}
             for u in gone:
@@ -391,7 +398,8 @@ class Agent:
             return False, "not ready: first collection cycle still rendering"
         age = time.monotonic() - dev.last_success
         if age > limit:
-            return False, f"not ready: last successful device collection {age:.1f}s ago (limit {limit:.1f}s): {dev.error or 'sampler stalled'}"
+            why = f"not ready: last successful device collection {age:.1f}s ago (limit {limit:.1f}s): {dev.error or 'sampler stalled'}"
+            return False, why + "".join(f"\n{p}" for p in problems if p.startswith("agent starved"))
         if problems:
             return True, "ready (degraded)\n" + "\n".join(problems)
         return True, "ready"
@@ -404,20 +412,16 @@ class Agent:
         now = time.monotonic()
         # A cycle costs at most one deadline per device plus the API lanes' deadlines (stuck
         # lanes fail fast), so "several intervals" is counted on top of that.
-        limit = max(6 * self.cfg.interval, 30.0) + self.cfg.call_timeout * (len(self._identities) + 3)
+        limit = max(6 * self.cfg.interval, self.LIVENESS_FLOOR) + self.cfg.call_timeout * (len(self._identities) + 3)
         cyc = self.status.get("cycle")
         last = cyc.last_success if cyc is not None and cyc.last_success is not None else self._started
         if self._thread is not None and now - last > limit:
             what = "since the agent started" if cyc is None else "ago"
             return False, f"not alive: sampler stuck, last collection cycle completed {now - last:.0f}s {what} (limit {limit:.0f}s)"
         beat = self.src.backend.event_heartbeat()
-        if beat is not None and now - beat > EVENT_STALL:
-            return False, f"not alive: device event thread stuck, last turn of its loop {now - beat:.0f}s ago (limit {EVENT_STALL:.0f}s)"
+        if beat is not None and now - beat > self.EVENT_STALL:
+            return False, f"not alive: device event thread stuck, last turn of its loop {now - beat:.0f}s ago (limit {self.EVENT_STALL:.0f}s)"
         return True, "ok"
-
-
-# The device event thread turns its loop at least every few seconds (a wait with a timeout).
-EVENT_STALL = 60.0
 
 
 class Degraded(Exception):
