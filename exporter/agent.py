@@ -26,6 +26,7 @@ from .kubelet.model import AllocationSource, PodResourcesSnapshot
 from .metrics.render import Renderer, RenderState
 from .metrics.server import MetricsServer
 from .model.join import JoinInputs, join
+from .model.lost import lost_devices
 from .model.snapshot import Snapshot
 
 log = structlog.get_logger(__name__)
@@ -79,6 +80,10 @@ class Agent:
         self.snapshot: Snapshot | None = None
         self.cycles = 0
         self._identities: list[DeviceIdentity] = []
+        # GPUs (and their MIG devices) this node's ResourceSlices publish that the library
+        # does not enumerate: lost, with series and a fatal condition (see model/lost.py)
+        self._lost: dict[str, tuple[DeviceIdentity, Any]] = {}
+        self._topology: list[str] = []
         self._readings: dict[str, DeviceReading] = {}
         self._pods_snapshot: PodResourcesSnapshot | None = None
         self._pods_at: float | None = None
@@ -194,7 +199,6 @@ class Agent:
                 self.runner.retire(u)
             log.info("devices_enumerated", count=len(idents), gone=sorted(gone))
             self._identities = idents
-            self.health.set_topology(idents)
         readings: dict[str, DeviceReading] = {}
         # Devices are read one after another, each on its own lane: a hung device costs one
         # deadline per cycle, and only until its lane is known to be stuck (then it fails fast).
@@ -266,14 +270,19 @@ class Agent:
         if self.src.pods is not None:
             pods = self._collect("pods", self._list_pods) or []
 
-        self.health.observe(self._identities, self._readings)
+        identities, all_readings = self._with_lost(slices, enumerated=readings is not None)
+        uuids = [i.uuid for i in identities]
+        if uuids != self._topology:
+            self.health.set_topology(identities)
+            self._topology = uuids
+        self.health.observe(identities, all_readings)
         health = self.health.all_health()
         snap = join(
             JoinInputs(
                 node=self.cfg.node_name,
                 timestamp=self.clock(),
-                identities=tuple(self._identities),
-                readings=self._readings,
+                identities=tuple(identities),
+                readings=all_readings,
                 health=health,
                 allocations=tuple(allocations),
                 slices=slices,
@@ -296,6 +305,25 @@ class Agent:
         self.status["cycle"] = CollectorStatus(duration=time.perf_counter() - t0, success=True, last_success=time.monotonic())
         self.publish(process_memory)
         return snap
+
+    def _with_lost(self, slices: dict | None, enumerated: bool) -> tuple[list[DeviceIdentity], dict[str, DeviceReading]]:
+        """The enumerated devices plus the lost ones the slices publish. Re-decided only in a
+        cycle whose enumeration succeeded and whose slices are listed; otherwise the last
+        decision stands (a failed enumeration tells nothing about single GPUs)."""
+        if slices is not None and enumerated:
+            lost = lost_devices(slices, self._identities)
+            for u in sorted(lost.keys() - self._lost.keys()):
+                ident, dev = lost[u]
+                log.error("gpu_lost_not_enumerated", uuid=u, device=dev.name, pool=dev.pool, parent=ident.parent_uuid or None)
+            for u in sorted(self._lost.keys() - lost.keys()):
+                log.info("gpu_found_again", uuid=u)
+            self._lost = lost
+        if not self._lost:
+            return list(self._identities), self._readings
+        readings = dict(self._readings)
+        for u, (ident, dev) in self._lost.items():
+            readings[u] = DeviceReading.failed(u, ReadError.LOST, f"published by ResourceSlice device {dev.pool}/{dev.name} but not found by the device library")
+        return list(self._identities) + [ident for ident, _ in self._lost.values()], readings
 
     def _api_deadline(self) -> float:
         return max(self.cfg.call_timeout, 0.5)
