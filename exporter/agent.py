@@ -26,6 +26,7 @@ from .kubelet.model import AllocationSource, PodResourcesSnapshot
 from .metrics.render import Renderer, RenderState
 from .metrics.server import MetricsServer
 from .model.join import JoinInputs, join
+from .model.lost import lost_devices
 from .model.snapshot import Snapshot
 
 log = structlog.get_logger(__name__)
@@ -54,6 +55,8 @@ class Sources:
 
 class Agent:
     KUBELET_GRACE = 300.0  # seconds to keep the last allocations while the kubelet is unreachable
+    LIVENESS_FLOOR = 30.0  # no completed cycle for at least this long (and 6 intervals): sampler stuck
+    EVENT_STALL = 60.0  # the device event thread's loop (a wait with a timeout) not turning this long: stuck
 
     def __init__(self, cfg: Config, sources: Sources, clock: Callable[[], float] = time.time, health_policy: HealthPolicy | None = None) -> None:
         self.cfg = cfg
@@ -77,6 +80,10 @@ class Agent:
         self.snapshot: Snapshot | None = None
         self.cycles = 0
         self._identities: list[DeviceIdentity] = []
+        # GPUs (and their MIG devices) this node's ResourceSlices publish that the library
+        # does not enumerate: lost, with series and a fatal condition (see model/lost.py)
+        self._lost: dict[str, tuple[DeviceIdentity, Any]] = {}
+        self._topology: list[str] = []
         self._readings: dict[str, DeviceReading] = {}
         self._pods_snapshot: PodResourcesSnapshot | None = None
         self._pods_at: float | None = None
@@ -180,14 +187,18 @@ class Agent:
 
     def _read_devices(self) -> dict[str, DeviceReading]:
         backend = self.src.backend
-        idents = self.runner.call("enumerate", backend.enumerate, self.cfg.call_timeout)
+        try:
+            idents = self.runner.call("enumerate", backend.enumerate, self.cfg.call_timeout)
+        except CallHung as e:
+            if e.running_for is None:
+                self.starvation.note_unstarted("enumerate")
+            raise
         if [i.uuid for i in idents] != [i.uuid for i in self._identities]:
             gone = {i.uuid for i in self._identities} - {i.uuid for i in idents}
             for u in gone:
                 self.runner.retire(u)
             log.info("devices_enumerated", count=len(idents), gone=sorted(gone))
             self._identities = idents
-            self.health.set_topology(idents)
         readings: dict[str, DeviceReading] = {}
         # Devices are read one after another, each on its own lane: a hung device costs one
         # deadline per cycle, and only until its lane is known to be stuck (then it fails fast).
@@ -259,14 +270,19 @@ class Agent:
         if self.src.pods is not None:
             pods = self._collect("pods", self._list_pods) or []
 
-        self.health.observe(self._identities, self._readings)
+        identities, all_readings = self._with_lost(slices, enumerated=readings is not None)
+        uuids = [i.uuid for i in identities]
+        if uuids != self._topology:
+            self.health.set_topology(identities)
+            self._topology = uuids
+        self.health.observe(identities, all_readings)
         health = self.health.all_health()
         snap = join(
             JoinInputs(
                 node=self.cfg.node_name,
                 timestamp=self.clock(),
-                identities=tuple(self._identities),
-                readings=self._readings,
+                identities=tuple(identities),
+                readings=all_readings,
                 health=health,
                 allocations=tuple(allocations),
                 slices=slices,
@@ -291,6 +307,25 @@ class Agent:
         self.status["cycle"] = CollectorStatus(duration=time.perf_counter() - t0, success=True, last_success=time.monotonic())
         self.publish(process_memory)
         return snap
+
+    def _with_lost(self, slices: dict | None, enumerated: bool) -> tuple[list[DeviceIdentity], dict[str, DeviceReading]]:
+        """The enumerated devices plus the lost ones the slices publish. Re-decided only in a
+        cycle whose enumeration succeeded and whose slices are listed; otherwise the last
+        decision stands (a failed enumeration tells nothing about single GPUs)."""
+        if slices is not None and enumerated:
+            lost = lost_devices(slices, self._identities)
+            for u in sorted(lost.keys() - self._lost.keys()):
+                ident, dev = lost[u]
+                log.error("gpu_lost_not_enumerated", uuid=u, device=dev.name, pool=dev.pool, parent=ident.parent_uuid or None)
+            for u in sorted(self._lost.keys() - lost.keys()):
+                log.info("gpu_found_again", uuid=u)
+            self._lost = lost
+        if not self._lost:
+            return list(self._identities), self._readings
+        readings = dict(self._readings)
+        for u, (ident, dev) in self._lost.items():
+            readings[u] = DeviceReading.failed(u, ReadError.LOST, f"published by ResourceSlice device {dev.pool}/{dev.name} but not found by the device library")
+        return list(self._identities) + [ident for ident, _ in self._lost.values()], readings
 
     def _api_deadline(self) -> float:
         return max(self.cfg.call_timeout, 0.5)
@@ -394,7 +429,8 @@ class Agent:
             return False, "not ready: first collection cycle still rendering"
         age = time.monotonic() - dev.last_success
         if age > limit:
-            return False, f"not ready: last successful device collection {age:.1f}s ago (limit {limit:.1f}s): {dev.error or 'sampler stalled'}"
+            why = f"not ready: last successful device collection {age:.1f}s ago (limit {limit:.1f}s): {dev.error or 'sampler stalled'}"
+            return False, why + "".join(f"\n{p}" for p in problems if p.startswith("agent starved"))
         if problems:
             return True, "ready (degraded)\n" + "\n".join(problems)
         return True, "ready"
@@ -407,20 +443,16 @@ class Agent:
         now = time.monotonic()
         # A cycle costs at most one deadline per device plus the API lanes' deadlines (stuck
         # lanes fail fast), so "several intervals" is counted on top of that.
-        limit = max(6 * self.cfg.interval, 30.0) + self.cfg.call_timeout * (len(self._identities) + 3)
+        limit = max(6 * self.cfg.interval, self.LIVENESS_FLOOR) + self.cfg.call_timeout * (len(self._identities) + 3)
         cyc = self.status.get("cycle")
         last = cyc.last_success if cyc is not None and cyc.last_success is not None else self._started
         if self._thread is not None and now - last > limit:
             what = "since the agent started" if cyc is None else "ago"
             return False, f"not alive: sampler stuck, last collection cycle completed {now - last:.0f}s {what} (limit {limit:.0f}s)"
         beat = self.src.backend.event_heartbeat()
-        if beat is not None and now - beat > EVENT_STALL:
-            return False, f"not alive: device event thread stuck, last turn of its loop {now - beat:.0f}s ago (limit {EVENT_STALL:.0f}s)"
+        if beat is not None and now - beat > self.EVENT_STALL:
+            return False, f"not alive: device event thread stuck, last turn of its loop {now - beat:.0f}s ago (limit {self.EVENT_STALL:.0f}s)"
         return True, "ok"
-
-
-# The device event thread turns its loop at least every few seconds (a wait with a timeout).
-EVENT_STALL = 60.0
 
 
 class Degraded(Exception):

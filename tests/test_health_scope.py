@@ -167,3 +167,45 @@ def test_a_restored_instance_condition_stays_on_the_instance(engine, clock):
     engine.restore(M0.uuid, "xid_79", Tier.FATAL, T0 - 10, "XID 79", reset_required=True)
     by = views(engine, clock)
     assert not by[G0.uuid].healthy and not by[M0.uuid].healthy and not by[M1.uuid].healthy
+
+
+# ------------------------------------------------------------------ through NVML and the agent
+
+
+def test_an_xid_nvml_attributes_to_a_mig_instance_is_booked_on_that_instance():
+    """The real ctypes event struct from the fake NVML carries gpuInstanceId/computeInstanceId;
+    the backend maps (parent, GI, CI) to the instance's uuid, the engine books it there."""
+    import pynvml
+
+    from exporter.agent import Agent, Sources
+    from exporter.config import Config
+    from exporter.devices.nvml import NvmlBackend
+    from fakes.fake_nvml import FakeNvml, installed
+    from k8s_helpers import wait_until
+    from test_nvml_backend import GPU0, GPU1, MIG_A, MIG_B, idle_gpu, mig_gpu
+
+    fake = FakeNvml([mig_gpu(fields={}), idle_gpu()])  # no field values: no "reset pending" of its own
+    with installed(fake):
+        agent = Agent(
+            Config(listen_host="127.0.0.1", listen_port=0, node_name="n1", interval=3600.0, call_timeout=1.0),
+            Sources(backend=NvmlBackend(event_wait_ms=50, lock_timeout_s=0.2)),
+        )
+        agent.start(serve=False)
+        try:
+            XID = pynvml.nvmlEventTypeXidCriticalError
+            for _ in range(POLICY.info_repeat):  # XID 13 on MIG_A's GPU instance: escalates to degraded there
+                fake.queue_event(MIG_A, XID, data=13)
+            wait_until(lambda: agent.health.counters()[0].get((MIG_A, 13)) == POLICY.info_repeat, timeout=30, message="three XID 13 on MIG_A")
+            snap = agent.run_cycle()
+            by = {d.uuid: d.health for d in snap.devices}
+            assert not by[MIG_A].healthy and [c.scope for c in by[MIG_A].conditions] == [Scope.INSTANCE]
+            assert by[MIG_B].healthy and by[GPU0].healthy and by[GPU1].healthy
+            assert (GPU0, 13) not in agent.health.counters()[0]
+
+            fake.queue_event(MIG_B, XID, data=79)  # GPU-wide by nature, though NVML names the instance
+            wait_until(lambda: agent.health.counters()[0].get((GPU0, 79)) == 1, timeout=30, message="XID 79 on GPU0")
+            snap = agent.run_cycle()
+            by = {d.uuid: d.health for d in snap.devices}
+            assert not by[GPU0].healthy and not by[MIG_A].healthy and not by[MIG_B].healthy and by[GPU1].healthy
+        finally:
+            agent.stop()

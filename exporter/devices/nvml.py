@@ -933,7 +933,11 @@ class NvmlBackend(DeviceBackend):
         if not migs:
             return parent
         exact = [m for m in migs if m.compute_instance_id == ci]
-        return (exact or migs)[0].uuid
+        if exact:
+            return exact[0].uuid
+        # No valid compute instance: the GPU instance's only MIG device if it has one; with
+        # several compute instances the fault cannot be pinned on one, so it stays on the GPU.
+        return migs[0].uuid if len(migs) == 1 else parent
 
     def _probe_lost(self, sink: EventSink) -> None:
         for address, uuid in list(self._event_handles.items()):
