@@ -64,8 +64,16 @@ def build_remediator(cfg: Config, api, agent: Agent, clock: Callable[[], float],
     try:
         from .k8s.budget import ClusterBudget
         from .k8s.watch import NodeWatch, OwnedRuleWatch
-    except ImportError:  # older tree: poll the node's rules and Node, count in-process
-        pass
+    except ImportError:
+        # Without the watch and budget modules (exporter/k8s/watch.py, budget.py): the node's
+        # rules are listed and its Node read every resync (node-scoped), and the budget counts
+        # the cluster's NoExecute rules by label when a domain is to be raised (not at rest).
+        from .remediation.budget import RuleCountBudget
+        from .k8s.taintrules import TaintRuleClient
+
+        rules = TaintRuleClient(api)
+        kw["rules"] = rules
+        kw["budget"] = RuleCountBudget(rules, cfg.taint_budget_max)
     else:
         kw["budget"] = _cluster_budget(ClusterBudget, api, ns, cfg)
         kw["node_watch"] = NodeWatch(api, cfg.node_name)

@@ -434,6 +434,7 @@ class Remediator:
         if not took:
             self.budget_exhausted = True
             return Safety(budget_ok=False, **base), False
+        self.budget_exhausted = False
         self._raised.add(unit)
         self._noexecute_times.append(now)
         return Safety(**base), True
@@ -539,13 +540,9 @@ class Remediator:
             except ApiError as e:
                 self._raised.add(unit)  # try again next pass
                 log.warning("budget_release_failed", unit=unit, error=str(e))
-        held = None
-        try:
-            held = self.budget.held()
-        except ApiError:
-            pass
-        if held is not None and hasattr(self.budget, "capacity"):
-            self.budget_exhausted = len(held) >= getattr(self.budget, "capacity")
+        if isinstance(self.budget, LocalBudget):
+            # (the cluster-wide budgets say "full" only when a take is refused: see _unit_safety)
+            self.budget_exhausted = len(self.budget.held()) >= self.budget.capacity
 
     def _unit_wants_noexecute(self, unit: str, targets: list[Target]) -> bool:
         health = self.health.all_health()
