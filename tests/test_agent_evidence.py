@@ -26,7 +26,7 @@ from exporter.health.model import Tier
 from exporter.health.starvation import StarvationMonitor, read_throttled_seconds
 from clock_helpers import ManualClock
 from fakes.fake_nvml import FakeNvml, installed
-from k8s_helpers import wait_until
+from kit_helpers import wait_until
 from test_nvml_backend import GPU0, GPU1, idle_gpu
 
 
