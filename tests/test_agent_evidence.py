@@ -26,7 +26,7 @@ from exporter.health.model import Tier
 from exporter.health.starvation import StarvationMonitor, read_throttled_seconds
 from clock_helpers import ManualClock
 from fakes.fake_nvml import FakeNvml, installed
-from k8s_helpers import wait_until
+from kit_helpers import wait_until
 from test_nvml_backend import GPU0, GPU1, idle_gpu
 
 
@@ -57,6 +57,37 @@ def nvml_agent(serve: bool = True, **cfg_kw) -> Iterator[tuple[FakeNvml, Agent]]
 
 def conditions(agent: Agent) -> dict[str, set[str]]:
     return {u: {c.reason for c in h.conditions} for u, h in agent.health.all_health().items() if h.conditions}
+
+
+@contextlib.contextmanager
+def starving(url: str) -> Iterator[None]:
+    """CPU-bound threads in the agent's own process, a slow GIL hand-over, and an HTTP flood
+    against its own port."""
+    stop = threading.Event()
+
+    def burn() -> None:
+        x = 0
+        while not stop.is_set():
+            for _ in range(10_000):
+                x += 1
+
+    def flood() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(Exception):
+                fetch(url + "/metrics", timeout=5)
+
+    old_switch = sys.getswitchinterval()
+    sys.setswitchinterval(0.05)  # each busy thread holds the GIL 50 ms before handing it on
+    threads = [threading.Thread(target=burn, daemon=True) for _ in range(12)] + [threading.Thread(target=flood, daemon=True) for _ in range(8)]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        sys.setswitchinterval(old_switch)
 
 
 # ------------------------------------------------------------------ the monitor itself
@@ -116,36 +147,13 @@ def test_a_starved_agent_blames_itself_not_the_gpus():
         unhealthy: list[str] = []
         agent.health.subscribe(lambda u: unhealthy.append(u) if not agent.health.health(u).healthy else None)
 
-        stop = threading.Event()
-
-        def burn() -> None:
-            x = 0
-            while not stop.is_set():
-                for _ in range(10_000):
-                    x += 1
-
-        def flood() -> None:
-            while not stop.is_set():
-                with contextlib.suppress(Exception):
-                    fetch(url + "/metrics", timeout=5)
-
-        old_switch = sys.getswitchinterval()
-        sys.setswitchinterval(0.05)  # each busy thread holds the GIL 50 ms before handing it on
-        threads = [threading.Thread(target=burn, daemon=True) for _ in range(12)] + [threading.Thread(target=flood, daemon=True) for _ in range(8)]
-        for t in threads:
-            t.start()
-        try:
+        with starving(url):
             # starved, and device reads really missed their deadline meanwhile
             wait_until(lambda: agent.starvation.state().starved, timeout=60, message="the agent to notice it is starved")
             wait_until(lambda: any(r == "late" for (_, r) in agent.health.counters()[1]), timeout=120, message="a late device read")
             ok, reason = agent.readiness()
             assert "agent starved of CPU" in reason
             assert agent.liveness()[0]  # starving is no reason for a restart
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(30)
-            sys.setswitchinterval(old_switch)
         cycles = agent.cycles
         wait_until(lambda: agent.cycles >= cycles + 3, timeout=60, message="cycles after the load")
 
@@ -206,3 +214,59 @@ def test_liveness_fails_for_a_stuck_event_thread_and_recovers():
         assert b"event thread stuck" in body
         gate.set()
         wait_until(lambda: fetch(url + "/healthz")[0] == 200, timeout=60, message="alive again")
+
+
+def test_a_starved_agent_with_remediation_on_writes_no_rule(tmp_path: Path):
+    """The whole chain, enforce mode: the node's ResourceSlice in NVIDIA's format in the API
+    emulation, pods holding the GPUs, the remediator running. Starving the agent taints nothing."""
+    from drasim import objects
+    from drasim.kubelet import FakeKubelet
+    from drasim.scenario import parse_scenario
+    from exporter.config import TaintMode
+    from exporter.wiring import build_agent
+    from fakes.fake_nvml import FakeGpu
+    from k8s_helpers import publish_scenario, running_apiserver, write_kubeconfig
+
+    sc = parse_scenario({
+        "node": "starved-node",
+        "gpus": [{"name": "gpu0"}, {"name": "gpu1"}],
+        "claims": [{"namespace": "a", "name": "c0", "devices": ["gpu0"]}, {"namespace": "a", "name": "c1", "devices": ["gpu1"]}],
+        "pods": [{"namespace": "a", "name": "p0", "containers": [{"name": "m", "claims": ["c0"]}]},
+                 {"namespace": "a", "name": "p1", "containers": [{"name": "m", "claims": ["c1"]}]}],
+    }, "starved")  # fmt: skip
+    fake = FakeNvml([FakeGpu(g.uuid, pci_bus_id=g.pci_bus_id, minor=i, serial=f"16509230000{i}") for i, g in enumerate(sc.gpus)])
+    sock = tempfile_socket()
+    kubelet = FakeKubelet(sock, qps=None)
+    kubelet.set_pods(objects.kubelet_pods(sc, list(sc.pods)))
+    kubelet.start()
+    agent = None
+    try:
+        with running_apiserver("1.37", bookmark_interval=0.2) as api, installed(fake):
+            publish_scenario(api, sc)
+            cfg = Config(
+                listen_host="127.0.0.1", listen_port=0, node_name=sc.node, kubelet_socket=sock,
+                kubeconfig=str(write_kubeconfig(tmp_path / "kubeconfig", api.url)), backend="nvml", interval=0.05,
+                call_timeout=0.2, hung_after=1.0, taint_mode=TaintMode.ENFORCE,
+            )
+            agent = build_agent(cfg, backend=NvmlBackend(event_wait_ms=50, lock_timeout_s=0.2), remediation_resync=0.2)
+            agent.start()
+            wait_until(lambda: agent.src.slices.synced and agent.snapshot is not None and len(agent.snapshot.claims) == 2, timeout=60, message="slices and claims joined")
+            assert conditions(agent) == {}
+            with starving(agent.server.url):
+                wait_until(lambda: agent.starvation.state().starved, timeout=60, message="the agent to notice it is starved")
+                wait_until(lambda: any(r == "late" for (_, r) in agent.health.counters()[1]), timeout=120, message="a late device read")
+            cycles = agent.cycles
+            wait_until(lambda: agent.cycles >= cycles + 5, timeout=60, message="cycles after the load")
+            assert conditions(agent) == {}
+            assert api.list("resource.k8s.io", "devicetaintrules") == []
+            assert all(c.healthy for c in agent.snapshot.claims)
+    finally:
+        if agent is not None:
+            agent.stop()
+        kubelet.stop()
+
+
+def tempfile_socket() -> str:
+    import tempfile
+
+    return str(Path(tempfile.mkdtemp(prefix="dra-starve-")) / "kubelet.sock")  # short: unix socket path limit

@@ -7,8 +7,8 @@ import pytest
 
 from exporter.agent import Agent, Sources
 from exporter.config import ENV_PREFIX, ConfigError, build_parser, resolve
-from exporter.devices.sim import SimBackend, SimClock
-from exporter.sim.scenario import parse_scenario
+from drasim.backend import SimBackend, SimClock
+from drasim.scenario import parse_scenario
 
 
 @pytest.fixture(autouse=True)

@@ -181,7 +181,7 @@ def test_an_xid_nvml_attributes_to_a_mig_instance_is_booked_on_that_instance():
     from exporter.config import Config
     from exporter.devices.nvml import NvmlBackend
     from fakes.fake_nvml import FakeNvml, installed
-    from k8s_helpers import wait_until
+    from kit_helpers import wait_until
     from test_nvml_backend import GPU0, GPU1, MIG_A, MIG_B, idle_gpu, mig_gpu
 
     fake = FakeNvml([mig_gpu(fields={}), idle_gpu()])  # no field values: no "reset pending" of its own

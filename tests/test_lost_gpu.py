@@ -17,9 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.config import Config, TaintMode
 from exporter.devices.nvml import NvmlBackend
-from exporter.sim import objects
-from exporter.sim.kubelet import FakeKubelet
-from exporter.sim.scenario import parse_scenario
+from drasim import objects
+from drasim.kubelet import FakeKubelet
+from drasim.scenario import parse_scenario
 from exporter.wiring import build_agent
 from fakes.fake_nvml import FakeGpu, FakeMig, FakeNvml, installed
 
