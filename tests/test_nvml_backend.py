@@ -639,3 +639,22 @@ def replay(fixture: dict) -> None:
                             assert got == want, (uuid, cycle, attr)
         finally:
             backend.close()
+
+
+def test_event_instance_ids_map_to_the_mig_device_or_stay_on_the_gpu(nvml) -> None:
+    """(parent, GI, CI) -> that MIG device; a valid GI without a valid CI -> the GI's only MIG
+    device, or the GPU when the GI has several compute instances; unknown ids -> the GPU."""
+    migs = [
+        FakeMig(MIG_A, gpu_instance_id=1, compute_instance_id=0, profile="1g.10gb", gi_profile_id=19, placement_start=0),
+        FakeMig(MIG_B, gpu_instance_id=2, compute_instance_id=0, profile="2c.3g.40gb", gi_profile_id=9, slice_count=3, placement_start=4, placement_size=4, slot=2),
+        FakeMig(MIG_C, gpu_instance_id=2, compute_instance_id=1, profile="1c.3g.40gb", gi_profile_id=9, slice_count=3, placement_start=4, placement_size=4, slot=3),
+    ]  # fmt: skip
+    fake, backend = nvml([mig_gpu(migs), idle_gpu()])
+    backend.enumerate()
+    events: queue.Queue[DeviceEvent] = queue.Queue()
+    backend.start_events(events.put)
+    none = 0xFFFFFFFF
+    for gi, ci, want in [(2, 1, MIG_C), (2, 0, MIG_B), (1, none, MIG_A), (2, none, GPU0), (7, 0, GPU0), (none, none, GPU0)]:
+        fake.queue_event(GPU0, XID, data=13, gpu_instance_id=gi, compute_instance_id=ci)
+        ev = events.get(timeout=10)
+        assert (ev.uuid, ev.code) == (want, 13), (gi, ci)

@@ -32,6 +32,7 @@ import math
 import re
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -874,8 +875,16 @@ class NvmlBackend(DeviceBackend):
         t.start()
         log.info("nvml_events_started", devices=len(registered))
 
+    def event_heartbeat(self) -> float | None:
+        """The event thread's latest turn round its loop (None: no event thread running)."""
+        t = self._event_thread
+        if t is None or self._stop.is_set():
+            return None
+        return getattr(self, "_event_beat", None)
+
     def _event_loop(self, es: Any, sink: EventSink, registered: dict[int, str]) -> None:
         while not self._stop.is_set():
+            self._event_beat = time.monotonic()  # liveness: the loop still turns
             try:
                 data = pynvml.nvmlEventSetWait_v2(es, self._event_wait_ms)
             except pynvml.NVMLError_Timeout:
@@ -924,7 +933,11 @@ class NvmlBackend(DeviceBackend):
         if not migs:
             return parent
         exact = [m for m in migs if m.compute_instance_id == ci]
-        return (exact or migs)[0].uuid
+        if exact:
+            return exact[0].uuid
+        # No valid compute instance: the GPU instance's only MIG device if it has one; with
+        # several compute instances the fault cannot be pinned on one, so it stays on the GPU.
+        return migs[0].uuid if len(migs) == 1 else parent
 
     def _probe_lost(self, sink: EventSink) -> None:
         for address, uuid in list(self._event_handles.items()):

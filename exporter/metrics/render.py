@@ -55,6 +55,8 @@ class RenderState:
     pod_label_allowlist: tuple[str, ...] = ()
     dcgm_compat: bool = False
     excluded: frozenset[str] = frozenset()  # catalog names left out (--exclude-metrics)
+    starved: bool | None = None  # the agent itself is starved of CPU (exporter.health.starvation)
+    scheduling_lag: float | None = None  # worst scheduling lag of the agent's threads, seconds
 
 
 def _fam(name: str, extra_labels: tuple[str, ...] = ()) -> Metric:
@@ -134,6 +136,14 @@ class SnapshotCollector(Collector):
         c = _fam("dra_gpu_exporter_cycles_total")
         c.add_metric([node], st.cycles)
         yield c
+        if st.starved is not None:
+            sv = _fam("dra_gpu_exporter_starved")
+            sv.add_metric([node], 1 if st.starved else 0)
+            yield sv
+        if st.scheduling_lag is not None:
+            lag = _fam("dra_gpu_exporter_scheduling_lag_seconds")
+            lag.add_metric([node], st.scheduling_lag)
+            yield lag
 
     def _compat_rows(self, snap: Snapshot) -> dict[str, list[tuple[str, ...]]]:
         rows: dict[str, list[tuple[str, ...]]] = {}

@@ -34,8 +34,9 @@ class _Server(ThreadingHTTPServer):
 
 
 class MetricsServer:
-    def __init__(self, host: str, port: int, readiness: Readiness) -> None:
+    def __init__(self, host: str, port: int, readiness: Readiness, *, liveness: Readiness | None = None) -> None:
         self.readiness = readiness
+        self.liveness = liveness  # interim until team endpoint's server lands: /healthz from it
         self._exposition: Exposition | None = None  # None until the first cycle is rendered
         self._static: bytes | None = None  # for the benchmark's static-body baseline
         owner = self
@@ -73,7 +74,11 @@ class MetricsServer:
                     else:
                         self._send(200, exp.body, CONTENT_TYPE)
                 elif path == "/healthz":
-                    self._send(200, b"ok\n")
+                    try:
+                        ok, reason = owner.liveness() if owner.liveness is not None else (True, "ok")
+                    except Exception as e:  # a broken probe must say so, not crash the server
+                        ok, reason = False, f"liveness check failed: {e}"
+                    self._send(200 if ok else HTTPStatus.SERVICE_UNAVAILABLE, (reason.rstrip() + "\n").encode())
                 elif path == "/readyz":
                     try:
                         ok, reason = owner.readiness()
