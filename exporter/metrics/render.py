@@ -20,6 +20,7 @@ is rendered by prometheus_client itself, family by family.
 from __future__ import annotations
 
 import gzip
+import math
 import re
 import threading
 from dataclasses import dataclass, field
@@ -93,6 +94,9 @@ class _RowFamily:
         self._rows: list[tuple[tuple[str, ...], Any]] = []
         self._replayed = 0
         self.plain = False
+        # -0.0 == 0.0 but the two print differently: a family holding one is never taken as
+        # "unchanged" by list equality (see Renderer._fast).
+        self.negative_zero = False
 
     @property
     def samples(self) -> list:  # type: ignore[override]
@@ -129,6 +133,8 @@ class Gauge(_RowFamily, GaugeMetricFamily):
             GaugeMetricFamily.add_metric(self, labels, value, timestamp)
         else:
             self._rows.append((tuple(labels), value))
+            if not value and value.__class__ is float and math.copysign(1.0, value) < 0:
+                self.negative_zero = True
 
 
 class Counter(_RowFamily, CounterMetricFamily):
@@ -144,6 +150,8 @@ class Counter(_RowFamily, CounterMetricFamily):
             CounterMetricFamily.add_metric(self, labels, value, created, timestamp, exemplar)
         else:
             self._rows.append((tuple(labels), value))
+            if not value and value.__class__ is float and math.copysign(1.0, value) < 0:
+                self.negative_zero = True
 
 
 def _fam(name: str, extra_labels: tuple[str, ...] = ()) -> Metric:
@@ -423,25 +431,6 @@ _UNDERSCORES = om_exposition.UNDERSCORES
 _ALLOWUTF8 = om_exposition.ALLOWUTF8
 
 
-class _Series:
-    """One series' cached lines. The prefix (``name{labels} ``) is formatted once."""
-
-    __slots__ = ("text_prefix", "om_prefix", "value", "text", "om")
-
-    def __init__(self, text_prefix: str, om_prefix: str) -> None:
-        self.text_prefix = text_prefix
-        self.om_prefix = om_prefix
-        self.value: Any = None
-        self.text = ""
-        self.om = ""
-
-    def set(self, value: Any) -> None:
-        v = floatToGoString(value)
-        self.value = value
-        self.text = f"{self.text_prefix}{v}\n"
-        self.om = self.text if self.om_prefix == self.text_prefix else f"{self.om_prefix}{v}\n"
-
-
 def _label_str(labelnames: tuple[str, ...], labels: tuple[str, ...]) -> str:
     # The same escaping and ordering as prometheus_client's two generate_latest (label values
     # escape backslash, newline and double quote; names sorted), built from the library's own
@@ -460,8 +449,12 @@ class Renderer:
         self.collector = SnapshotCollector()
         self.registry.register(self.collector)
         self.gzip_level = gzip_level
-        # (type, name, labelnames) -> {label values: _Series}; only what the last render yielded
-        self._series: dict[tuple, dict[tuple[str, ...], _Series]] = {}
+        # (type, name, labelnames) -> {label values: series}; only what the last render yielded
+        self._series: dict[tuple, dict[tuple[str, ...], list]] = {}
+        # (type, name, labelnames) -> (rows, text chunk, OpenMetrics chunk) of the last render
+        self._chunks: dict[tuple, tuple[list, str, str]] = {}
+        # (type, name) -> (samples, documentation, unit, text, OpenMetrics) of other families
+        self._generic_last: dict[tuple, tuple] = {}
         self._headers: dict[tuple, tuple[str, str, str, str]] = {}
 
     def render(self, state: RenderState) -> Exposition:
@@ -473,20 +466,42 @@ class Renderer:
         yielding them), reusing what the previous call formatted."""
         text: list[str] = []
         om: list[str] = []
-        series: dict[tuple, dict[tuple[str, ...], _Series]] = {}
+        series: dict[tuple, dict[tuple[str, ...], list]] = {}
+        chunks: dict[tuple, tuple[list, str, str]] = {}
+        generic: dict[tuple, tuple] = {}
         for fam in families:
             if isinstance(fam, _RowFamily) and not fam.plain:
-                self._fast(fam, text, om, series)
+                self._fast(fam, text, om, series, chunks)
             else:
-                one = _One(fam)
-                text.append(generate_latest(one).decode("utf-8"))  # type: ignore[arg-type]
-                om.append(om_exposition.generate_latest(one).decode("utf-8")[: -len(_OM_EOF)])
+                self._generic(fam, text, om, generic)
         om.append(_OM_EOF)
         # Series and families not yielded this time are dropped here, at once.
-        self._series = series
+        self._series, self._chunks, self._generic_last = series, chunks, generic
         if len(self._headers) > 4 * len(series) + 64:  # families with changing help or labels
             self._headers.clear()
         return Exposition("".join(text).encode("utf-8"), "".join(om).encode("utf-8"), self.gzip_level)
+
+    def _generic(self, fam: Metric, text: list[str], om: list[str], generic: dict) -> None:
+        """A family outside the fast path, rendered by prometheus_client itself; its bytes are
+        kept while its samples stay equal (a histogram changes only when a taint is written)."""
+        key = (fam.type, fam.name)
+        samples = list(fam.samples)
+        last = self._generic_last.get(key)
+        if (
+            last is not None
+            and key not in generic
+            and last[0] == samples
+            and last[1] == fam.documentation
+            and last[2] == fam.unit
+            and not any(s.value.__class__ is float and not s.value and math.copysign(1.0, s.value) < 0 for s in samples)
+        ):
+            generic[key] = last
+        else:
+            one = _One(fam)
+            last = (samples, fam.documentation, fam.unit, generate_latest(one).decode("utf-8"), om_exposition.generate_latest(one).decode("utf-8")[: -len(_OM_EOF)])  # type: ignore[arg-type]
+            generic.setdefault(key, last)
+        text.append(last[3])
+        om.append(last[4])
 
     def _header(self, fam: Metric, hkey: tuple) -> tuple[str, str, str, str]:
         """(text header, OpenMetrics header, text sample name, OpenMetrics sample name)."""
@@ -505,28 +520,56 @@ class Renderer:
             h = self._headers[hkey] = (text, om, tname, om_exposition._escape(sample, _UNDERSCORES, om_exposition._is_legacy_labelname_rune))
         return h
 
-    def _fast(self, fam: _RowFamily, text: list[str], om: list[str], series: dict) -> None:
+    def _fast(self, fam: _RowFamily, text: list[str], om: list[str], series: dict, chunks: dict) -> None:
         labelnames: tuple[str, ...] = fam._labelnames  # type: ignore[attr-defined]
         key = (fam.type, fam.name, labelnames)  # type: ignore[attr-defined]
         text_header, om_header, tname, oname = self._header(fam, (*key, fam.documentation, fam.unit))  # type: ignore[attr-defined]
         text.append(text_header)
         om.append(om_header)
+        rows = fam._rows
+        last = self._chunks.get(key)
+        if last is not None and key not in series and not fam.negative_zero and last[0] == rows:
+            # Most families do not change between cycles (info, allocation, claim and health
+            # series): one list comparison in C instead of a look-up per sample. Equal values
+            # print equally, except 0.0/-0.0 (excluded above) .
+            series[key] = self._series[key]
+            chunks[key] = last
+            text.append(last[1])
+            om.append(last[2])
+            return
         prev = self._series.get(key, {})
         cur = series.get(key)
         if cur is None:
             cur = series[key] = {}
-        text_append, om_append = text.append, om.append
-        for labels, value in fam._rows:
-            s = cur.get(labels)
+        # A series is [value, text line, OpenMetrics line, text prefix, OpenMetrics prefix].
+        # The two formats' sample lines differ only when the sample name escapes differently
+        # (never for legacy names), so usually one list of lines serves both bodies.
+        same = tname == oname
+        lines: list[str] = []
+        om_lines = lines if same else []
+        add, om_add = lines.append, om_lines.append
+        get, pget = cur.get, prev.get
+        for labels, value in rows:
+            s = get(labels)
             if s is None:
-                s = prev.get(labels)
+                s = pget(labels)
                 if s is None:
                     ls = _label_str(labelnames, labels)
-                    s = _Series(f"{tname}{ls} ", f"{oname}{ls} ")
+                    s = [None, "", "", f"{tname}{ls} ", f"{oname}{ls} "]
                 cur[labels] = s
             # Re-format only a changed value. 0 is always re-formatted: 0.0 == -0.0 but they
-            # print differently (and a new series' value None never equals a number).
-            if not (value == s.value and value):
-                s.set(value)
-            text_append(s.text)
-            om_append(s.om)
+            # print differently; NaN never equals itself; a new series' None equals no number.
+            if value != s[0] or not value:
+                v = floatToGoString(value)
+                s[0] = value
+                s[1] = f"{s[3]}{v}\n"
+                s[2] = s[1] if same else f"{s[4]}{v}\n"
+            add(s[1])
+            if not same:
+                om_add(s[2])
+        chunk = "".join(lines)
+        om_chunk = chunk if same else "".join(om_lines)
+        text.append(chunk)
+        om.append(om_chunk)
+        if not fam.negative_zero and key not in chunks:
+            chunks[key] = (rows, chunk, om_chunk)
