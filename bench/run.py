@@ -213,12 +213,13 @@ def bench_cycle(cycles: int = 200, cpu_seconds: float = 20.0, scales: tuple[int,
     the kubelet and API emulations it talks to run here, in the parent, and their cost is not
     counted. 8 GPUs, and the dense node at 1x, 2x, 4x (64 devices / 256 pods / 512 claims each)."""
     rows = []
-    cases = [("8 GPUs, 32 pods, 32 claims", eight_gpus())] + [
-        (f"dense {k}x: {64 * k} devices, {256 * k} pods, {512 * k} claims", big_scenario(pods=256 * k, claims=512 * k, scale=k)) for k in scales
+    cases = [("8 GPUs, 32 pods, 32 claims", 8, eight_gpus())] + [
+        (f"dense {k}x: {64 * k} devices, {256 * k} pods, {512 * k} claims", 64 * k, big_scenario(pods=256 * k, claims=512 * k, scale=k)) for k in scales
     ]
-    for label, sc in cases:
+    for label, devices, sc in cases:
         r = _agent_process(sc, "cycle", cycles, cpu_seconds)
-        r["case"] = label
+        # allocatable devices (full GPUs and MIG instances); the agent also enumerates MIG parents
+        r["enumerated"], r["devices"], r["case"] = r["devices"], devices, label
         rows.append(r)
     dense = rows[1]  # the top-level keys: the dense node at 1x
     RESULTS["cycle"] = {"devices": dense["devices"], "cycle_p99_ms": dense["cycle_wall_p99_ms"], "cycle_cpu_p50_ms": dense["cycle_cpu_p50_ms"], "rows": rows}
