@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -83,6 +84,15 @@ def measure_cycles(agent, cycles: int, cpu_seconds: float) -> dict:
     }
 
 
+def process_age() -> float:
+    """Seconds since this process was started (exec), from /proc: interpreter start included."""
+    with open("/proc/self/stat") as f:
+        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scenario", required=True)
@@ -124,11 +134,20 @@ def main() -> None:
     agent = build_agent(cfg, backend=SimBackend(sc, clock), clock=clock.epoch)
     imported_mb = rss_mb()
     agent.start()
-    started_s = time.perf_counter() - t_start
+    # agent.start() returns once the first cycle is rendered and published: /metrics complete
+    started_s, first_metrics_s = time.perf_counter() - t_start, process_age()
+    ready = agent.readiness()
     try:
         if a.mode == "cycle":
             out = measure_cycles(agent, a.cycles, a.cpu_seconds)
-            out.update(after_imports_mb=imported_mb, start_seconds=started_s, devices=len(agent.snapshot.devices) if agent.snapshot else 0)
+            out.update(
+                after_imports_mb=imported_mb,
+                start_seconds=started_s,
+                first_metrics_since_exec_s=first_metrics_s,
+                first_readyz=ready[1],
+                first_unresolved=dict(agent.snapshot.unresolved) if agent.snapshot else {},
+                devices=len(agent.snapshot.devices) if agent.snapshot else 0,
+            )
             print(json.dumps(out))
             return
         for _ in range(20):

@@ -224,10 +224,13 @@ def bench_cycle(cycles: int = 200, cpu_seconds: float = 20.0, scales: tuple[int,
     dense = rows[1]  # the top-level keys: the dense node at 1x
     RESULTS["cycle"] = {"devices": dense["devices"], "cycle_p99_ms": dense["cycle_wall_p99_ms"], "cycle_cpu_p50_ms": dense["cycle_cpu_p50_ms"], "rows": rows}
     print("\ncycle, agent alone in its own process (process CPU time of all its threads per cycle; CPU % at a 1 s cadence):")
-    print("| node | series | cycle CPU p50 | cycle CPU p99 | CPU at 1 s | gzip per scraped cycle |")
-    print("|---|---|---|---|---|---|")
+    print("| node | series | cycle CPU p50 | cycle CPU p99 | CPU at 1 s | gzip per scraped cycle | first /metrics after exec | first /readyz |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['case']} | {r['series']} | {r['cycle_cpu_p50_ms']:.1f} ms | {r['cycle_cpu_p99_ms']:.1f} ms | {r['cpu_percent_1s_interval']:.2f} % | {r['gzip_openmetrics_ms']:.1f} ms |")
+        print(
+            f"| {r['case']} | {r['series']} | {r['cycle_cpu_p50_ms']:.1f} ms | {r['cycle_cpu_p99_ms']:.1f} ms | {r['cpu_percent_1s_interval']:.2f} % "
+            f"| {r['gzip_openmetrics_ms']:.1f} ms | {r['first_metrics_since_exec_s']:.2f} s | {r['first_readyz'].splitlines()[0]} |"
+        )
 
 
 def bench_gzip(rounds: int = 30) -> None:

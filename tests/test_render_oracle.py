@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import gzip
 import math
+import shutil
+import subprocess
+
+import pytest
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -24,6 +28,8 @@ from exporter.health.model import Condition, DeviceHealth, Tier
 from exporter.metrics.render import Counter, Gauge, Renderer, RenderState, TaintRuleView
 from exporter.model.snapshot import AllocationView, ClaimView, DeviceView, Snapshot
 from exporter.remediation.engine import Histogram
+
+PROMTOOL = shutil.which("promtool")
 
 # Label text that needs escaping in the exposition formats, and text that must pass unchanged.
 nasty = st.text(alphabet=st.sampled_from(list('ab-_.:/ "\\\n\t{}=,#é日本🚀\u2028\x00')), max_size=12)
@@ -213,3 +219,20 @@ def test_value_changes_are_seen_including_zero_sign_and_nan():
         g = Gauge("g", "h", labels=["a"])
         g.add_metric(["x"], v)
         assert r.render_families([g]).body == generate_latest(Families([g])), v
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not found: install Debian's `prometheus` package (CI does)")
+def test_promtool_accepts_the_text_body_with_nasty_labels_after_series_churn():
+    ident = DeviceIdentity(uuid='GPU-"x"\\\n日本', vendor=Vendor.NVIDIA, model="H100 \"SXM\"", pci_bus_id="0000:18:00.0", index=0)
+    dev = DeviceView(identity=ident, reading=DeviceReading(uuid=ident.uuid, utilization_ratio=0.5, energy_joules=12.0, ecc_correctable_total=0),
+                     health=DeviceHealth(uuid=ident.uuid, conditions=(Condition(ident.uuid, Tier.FATAL, "xid_79", 0.0, 0.0),)))
+    alloc = AllocationView("gpu.nvidia.com", "node\\a", "gpu-0", ident.uuid, "ns\n1", 'pod"1', "c", "claim-ü", "dra", "attribute")
+    claim = ClaimView("ns\n1", "claim-ü", (("gpu.nvidia.com", "p", "gpu-0"),), (ident.uuid,), ('pod"1',), 0.5, 1, 2, 3.0, False)
+    r = Renderer()
+    hist = Histogram()
+    hist.observe(0.2)
+    for claims in ((claim,), (), (claim,)):
+        snap = Snapshot(node="n\\1", timestamp=0.0, devices=(dev,), allocations=(alloc,), claims=claims, unresolved={"gpu.nvidia.com": 0})
+        body = r.render(RenderState(snapshot=snap, xid_counts={(ident.uuid, 79): 1}, detection_latency=hist, cycles=3)).body
+        done = subprocess.run([PROMTOOL, "check", "metrics"], input=body, capture_output=True, timeout=60)
+        assert done.returncode == 0 and not done.stdout.strip() and not done.stderr.strip(), (done.stdout, done.stderr)
