@@ -101,6 +101,7 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=10000)
     ap.add_argument("--cpu-seconds", type=float, default=30.0)
     ap.add_argument("--mode", choices=("soak", "cycle"), default="soak")
+    ap.add_argument("--claims-ttl", type=float, default=None, help="diagnosis: override the ResourceClaim cache's TTL (re-fetch cost)")
     a = ap.parse_args()
     t_start = time.perf_counter()
 
@@ -133,6 +134,8 @@ def main() -> None:
     )
     agent = build_agent(cfg, backend=SimBackend(sc, clock), clock=clock.epoch)
     imported_mb = rss_mb()
+    if a.claims_ttl is not None and agent.src.claims is not None:
+        agent.src.claims.ttl = a.claims_ttl
     agent.start()
     # agent.start() returns once the first cycle is rendered and published: /metrics complete
     started_s, first_metrics_s = time.perf_counter() - t_start, process_age()
