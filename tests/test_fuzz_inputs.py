@@ -809,6 +809,8 @@ def _expected(flag: str, value: str, from_env: bool) -> Any:
         if flag == "taint-rate-limit":
             return int(v) if v == int(v) else None  # a count of rules: a whole number
         return v
+    if flag == "backend" and value == "sim":
+        return None  # the agent refuses it: the simulated backend is the demo's (README flag table)
     if flag in CHOICES:
         v = value.lower() if flag == "log-level" and from_env else value
         return v if v in CHOICES[flag] else None
