@@ -107,6 +107,7 @@ class Agent:
                 self.server.stop()
                 self.server = None
             raise
+        self._await_slices()
         self.run_cycle()
         self._thread = threading.Thread(target=self._loop, name="sampler", daemon=True)
         self._thread.start()
@@ -126,6 +127,20 @@ class Agent:
             self.src.slices.start()
         if self.src.remediation is not None:
             self.src.remediation.start()
+
+    FIRST_LIST_WAIT = 2.0  # seconds the first cycle waits for the ResourceSlices' initial list
+
+    def _await_slices(self) -> None:
+        """Ready means joined: the first cycle renders device attribution only once the node's
+        ResourceSlices are listed, or it would publish "unresolved" and a degraded /readyz for a
+        whole interval. Bounded, and cut short by a failing list: an API outage must not hold
+        device metrics back (that cycle then reports the slices collector as failed)."""
+        w = self.src.slices
+        if w is None or w.synced:
+            return
+        deadline = time.monotonic() + self.FIRST_LIST_WAIT
+        while not w.synced and not w.last_error and time.monotonic() < deadline and not self._stop.is_set():
+            w.wait_synced(0.02)
 
     def stop(self) -> None:
         self._stop.set()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from typing import Callable
@@ -14,14 +13,8 @@ from .config import Config, TaintMode
 from .devices.base import DeviceBackend
 from .devices.select import make_backend
 from .health.engine import HealthPolicy
-from .k8s.claims import ClaimCache
-from .k8s.connection import connect
-from .k8s.pods import NodePods
-from .k8s.slices import SliceWatcher
 from .kubelet.client import PodResourcesClient
 from .model.processes import process_memory
-from .remediation.engine import Remediator
-from .remediation.state import NodeState
 
 log = structlog.get_logger(__name__)
 
@@ -35,10 +28,21 @@ def build_agent(
 ) -> Agent:
     backend = backend or make_backend(cfg.backend)
     src = Sources(backend=backend, kubelet=PodResourcesClient(cfg.kubelet_socket))
-    api = connect(cfg.kubeconfig)
+    api = None
+    if cfg.kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST") or os.environ.get("KUBECONFIG"):
+        # The kubernetes client costs a quarter of the start-up imports: only load it when
+        # connect() has a configuration to try (its own checks decide; this only skips the
+        # import when none of its sources is set).
+        from .k8s.connection import connect
+
+        api = connect(cfg.kubeconfig)
     if api is None:
         log.warning("no_kubernetes_api", hint="no kubeconfig and not in a cluster: DRA attribution and remediation are off")
     else:
+        from .k8s.claims import ClaimCache
+        from .k8s.pods import NodePods
+        from .k8s.slices import SliceWatcher
+
         src.slices = SliceWatcher(api, cfg.node_name)
         src.claims = ClaimCache(api)
         if cfg.per_process or cfg.pod_label_allowlist:
@@ -56,9 +60,13 @@ def agent_namespace() -> str:
     return os.environ.get("POD_NAMESPACE", "").strip() or "dra-gpu-exporter"
 
 
-def build_remediator(cfg: Config, api, agent: Agent, clock: Callable[[], float], resync: float) -> Remediator:
+def build_remediator(cfg: Config, api, agent: Agent, clock: Callable[[], float], resync: float):
     """The remediator with its cluster parts: the node's rules and kill-switch label watched, the
     cluster budget object, the node's state ConfigMap (when team scale's parts are there)."""
+    # (imported here, like the other Kubernetes parts: only an agent with an API pays for them)
+    from .remediation.engine import Remediator
+    from .remediation.state import NodeState
+
     ns = agent_namespace()
     kw: dict = {"node_state": NodeState(api, ns, cfg.node_name)}
     try:
@@ -82,6 +90,8 @@ def build_remediator(cfg: Config, api, agent: Agent, clock: Callable[[], float],
 
 
 def _cluster_budget(cls, api, ns: str, cfg: Config):
+    import dataclasses
+
     fields = {f.name for f in dataclasses.fields(cfg)}
     kw = {k: getattr(cfg, k) for k in ("taint_budget_max", "taint_budget_fraction") if k in fields}
     try:

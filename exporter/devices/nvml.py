@@ -202,13 +202,46 @@ _FV_STRUCT: Any = getattr(pynvml, "c_nvmlFieldValue_t", None)
 _VALUE_FORMAT = {0: "@d", 1: "@I", 2: "@L", 3: "@Q", 4: "@q", 5: "@i", 6: "@H"}  # NVML_VALUE_TYPE_*
 
 
-def _decode_batch(values: Any, count: int) -> list[tuple[int, int | float | None]]:
-    """(nvmlReturn, value) per entry of a c_nvmlFieldValue_t array; value None when the
-    return is not success or the value type is unknown."""
+_VALUE_STRUCTS = {k: struct.Struct(f) for k, f in _VALUE_FORMAT.items()}
+
+
+def _record_struct() -> struct.Struct | None:
+    """One c_nvmlFieldValue_t as (valueType, nvmlReturn, the 8 value bytes), or None if the
+    layout is not the one expected (then the entries are decoded field by field)."""
+    if _FV_STRUCT is None:
+        return None
     size = ctypes.sizeof(_FV_STRUCT)
     type_at, ret_at, value_at = _FV_STRUCT.valueType.offset, _FV_STRUCT.nvmlReturn.offset, _FV_STRUCT.value.offset
+    if ret_at != type_at + 4 or value_at < ret_at + 4 or size < value_at + 8:
+        return None
+    rec = struct.Struct(f"={type_at}xII{value_at - ret_at - 4}x8s{size - value_at - 8}x")
+    return rec if rec.size == size else None
+
+
+_FV_RECORD = _record_struct()
+
+
+def _decode_batch(values: Any, count: int) -> list[tuple[int, int | float | None]]:
+    """(nvmlReturn, value) per entry of a c_nvmlFieldValue_t array; value None when the
+    return is not success or the value type is unknown.
+
+    Read straight from the array's memory with precompiled structs, one unpack per entry:
+    pynvml's per-attribute accessors on the ctypes structs cost more than the library call.
+    """
     buf = memoryview(values).cast("B")
     out: list[tuple[int, int | float | None]] = []
+    if _FV_RECORD is not None:
+        structs = _VALUE_STRUCTS
+        for vtype, ret, raw in _FV_RECORD.iter_unpack(buf[: count * _FV_RECORD.size]):
+            value = None
+            if ret == _SUCCESS:
+                st = structs.get(vtype)
+                if st is not None:
+                    value = st.unpack_from(raw)[0]
+            out.append((ret, value))
+        return out
+    size = ctypes.sizeof(_FV_STRUCT)
+    type_at, ret_at, value_at = _FV_STRUCT.valueType.offset, _FV_STRUCT.nvmlReturn.offset, _FV_STRUCT.value.offset
     for i in range(count):
         base = i * size
         (ret,) = struct.unpack_from("@I", buf, base + ret_at)
