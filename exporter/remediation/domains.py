@@ -14,7 +14,7 @@ published as many DRA devices, and all of them go down with it:
   by card and render index.
 
 Sources: NVIDIA/k8s-dra-driver-gpu ``cmd/gpu-kubelet-plugin/deviceinfo.go``, ``mig.go`` and
-``partitions.go``; ROCm/k8s-gpu-dra-driver ``docs/driver-attributes.md`` and
+``partitions.go``; ROCm/k8s-gpu-dra-driver's driver-attributes document and
 ``cmd/gpu-kubeletplugin/deviceinfo.go``. :func:`exporter.k8s.resolve.resolve` maps each device
 to the local device (its ``uuid``) and the GPU it lives on (``parent_uuid``); this module only
 groups. Pure: no I/O.
