@@ -82,6 +82,8 @@ class Config:
     taint_budget_max: int = 16
     taint_hold_seconds: float = 1800.0  # healthy time before a rule steps down
     node_failure_fraction: float = 0.5  # this share of a node's GPUs failing at once = node fault
+    # HTTP endpoint: TLS, client certificates, basic auth (exporter-toolkit format)
+    web_config_file: str | None = None
     # demo only
     scenario: str | None = None
     time_scale: float = 1.0
@@ -202,6 +204,7 @@ def _add_common(p: argparse.ArgumentParser, demo: bool = False) -> None:
     p.add_argument("--taint-rate-limit", metavar="N", help="new NoExecute rules per node per 10 minutes (default 2)")
     p.add_argument("--taint-budget-fraction", metavar="F", help="cluster share of GPUs under NoExecute before suppression (default 0.05)")
     p.add_argument("--taint-hold-seconds", metavar="S", help="healthy time before a rule steps down (default 1800)")
+    p.add_argument("--web-config-file", metavar="PATH", help="TLS, client-certificate and basic-auth settings for the HTTP endpoint, in the Prometheus exporter-toolkit format")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -351,6 +354,15 @@ def _resolve(ns: argparse.Namespace, pick: Callable[..., str | None]) -> Config:
         kw["taint_budget_fraction"] = _positive_float("--taint-budget-fraction", v, 0, 1)
     if (v := pick("taint-hold-seconds")) is not None:
         kw["taint_hold_seconds"] = _positive_float("--taint-hold-seconds", v, 0, 7 * 86400)
+
+    if (v := pick("web-config-file")) is not None and v != "":
+        from .metrics.webconfig import WebConfigError, load_web_config
+
+        try:
+            load_web_config(v)  # checked now so a bad file is exit 2 with one line; loaded again at start
+        except WebConfigError as e:
+            raise ConfigError(f"--web-config-file {v}: {e}") from None
+        kw["web_config_file"] = v
 
     demo = getattr(ns, "command", None) == "demo"
     if demo:

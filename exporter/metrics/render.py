@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -21,6 +22,7 @@ from .. import __version__
 from ..devices.model import DeviceReading
 from ..model.snapshot import Snapshot
 from .catalog import BY_NAME
+from .webstats import HttpStats
 
 # Device series that dcgm-exporter-compatible labels are added to (--dcgm-compat-labels).
 COMPAT_LABELS = ("pod", "namespace", "container", "dra_claim_name", "dra_claim_namespace", "dra_driver_name", "dra_pool_name", "dra_device_name")
@@ -55,6 +57,7 @@ class RenderState:
     pod_label_allowlist: tuple[str, ...] = ()
     dcgm_compat: bool = False
     excluded: frozenset[str] = frozenset()  # catalog names left out (--exclude-metrics)
+    http: HttpStats | None = None  # the HTTP server's own counters; None when not serving
 
 
 def _fam(name: str, extra_labels: tuple[str, ...] = ()) -> Metric:
@@ -134,6 +137,25 @@ class SnapshotCollector(Collector):
         c = _fam("dra_gpu_exporter_cycles_total")
         c.add_metric([node], st.cycles)
         yield c
+        if st.http is not None:
+            yield from self._http(node, st.http)
+
+    def _http(self, node: str, h: HttpStats) -> Iterable[Metric]:
+        o = _fam("dra_gpu_exporter_http_connections_open")
+        o.add_metric([node], h.connections_open)
+        lim = _fam("dra_gpu_exporter_http_connection_limit")
+        lim.add_metric([node], h.connection_limit)
+        closed = _fam("dra_gpu_exporter_http_connections_rejected_total")
+        closed.add_metric([node, "refused"], h.refused)
+        closed.add_metric([node, "evicted"], h.evicted)
+        closed.add_metric([node, "tls_failed"], h.tls_failed)
+        to = _fam("dra_gpu_exporter_http_timeouts_total")
+        for phase in ("idle", "header", "write", "tls_handshake"):
+            to.add_metric([node, phase], h.timed_out.get(phase, 0))
+        req = _fam("dra_gpu_exporter_http_requests_total")
+        for code, n in sorted(h.requests.items()):
+            req.add_metric([node, code], n)
+        yield from (o, lim, closed, to, req)
 
     def _compat_rows(self, snap: Snapshot) -> dict[str, list[tuple[str, ...]]]:
         rows: dict[str, list[tuple[str, ...]]] = {}
@@ -282,8 +304,10 @@ class SnapshotCollector(Collector):
 
 @dataclass(frozen=True)
 class Exposition:
-    body: bytes
+    body: bytes  # text format 0.0.4
     gzipped: bytes
+    openmetrics: bytes = b"# EOF\n"  # OpenMetrics 1.0, ends with # EOF
+    openmetrics_gzipped: bytes = b""
 
 
 class Renderer:
@@ -297,5 +321,6 @@ class Renderer:
     def render(self, state: RenderState) -> Exposition:
         self.collector.state = state
         body = generate_latest(self.registry)
+        om = generate_openmetrics(self.registry)
         # Compress once per cycle, not once per scrape: scrapers asking for gzip get these bytes.
-        return Exposition(body=body, gzipped=gzip.compress(body, compresslevel=5))
+        return Exposition(body=body, gzipped=gzip.compress(body, compresslevel=5), openmetrics=om, openmetrics_gzipped=gzip.compress(om, compresslevel=5))
