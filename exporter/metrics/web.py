@@ -199,7 +199,10 @@ class HttpServer:
             # stopped: close what is left, then the loop
             for c in list(self._conns.values()):
                 c.transport.abort()
-            self.loop.run_until_complete(asyncio.sleep(0))
+            tasks = asyncio.all_tasks(self.loop)
+            for t in tasks:
+                t.cancel()
+            self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
             self.loop.close()
 
         self._thread = threading.Thread(target=run, name="http", daemon=True)
