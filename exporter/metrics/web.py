@@ -42,6 +42,8 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
+ACCEPT_BATCH = 64
+LISTEN_BACKLOG = 4096  # capped by net.core.somaxconn
 READ_CHUNK = 16 * 1024
 WRITE_CHUNK = 64 * 1024
 SERVER = "dra-gpu-exporter"  # no version: it only helps someone pick an exploit
@@ -122,7 +124,7 @@ def effective_connection_limit(wanted: int) -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return wanted
-    return max(8, min(wanted, soft - 256, soft // 2))
+    return max(8, min(wanted, soft - 256 - ACCEPT_BATCH, soft // 2))
 
 
 def bind(host: str, port: int, backlog: int = 128) -> socket.socket:
@@ -190,7 +192,12 @@ class HttpServer:
             asyncio.set_event_loop(self.loop)
 
             async def open_server() -> None:
-                self._server = await self.loop.create_server(lambda: _Protocol(self), sock=self.sock, backlog=128)
+                # asyncio accepts up to ``backlog`` connections per loop iteration before any
+                # is admitted, so that number bounds the descriptors in flight; the kernel's
+                # queue behind it is made long (as Go servers do) so a burst of connections
+                # waits there, costing us nothing, instead of being half-open and dropped.
+                self._server = await self.loop.create_server(lambda: _Protocol(self), sock=self.sock, backlog=ACCEPT_BATCH)
+                self.sock.listen(LISTEN_BACKLOG)
                 self.loop.call_soon(self._govern, time.thread_time(), time.monotonic())
                 started.set()
 
