@@ -386,7 +386,7 @@ def bench_series() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="Benchmarks against PRODUCT.md's performance targets.")
-    ap.add_argument("which", nargs="*", metavar="BENCH", help="scrape, cycle, nvml, xid, soak, series (default: all)")
+    ap.add_argument("which", nargs="*", metavar="BENCH", help="scrape, scrape-attack, cycle, nvml, xid, soak, series (default: all)")
     ap.add_argument("--cycles", type=int, default=10000, help="soak: cycles between the two RSS readings")
     ap.add_argument("--requests", type=int, default=2000, help="scrape: requests per concurrency level")
     ap.add_argument("--cpu-seconds", type=float, default=30.0, help="soak: window for the CPU reading")
@@ -398,6 +398,7 @@ def main() -> None:
     configure("json", "error")
     fns = {
         "scrape": lambda: bench_scrape(a.requests),
+        "scrape-attack": lambda: __import__("scrape_attack").bench(Node, big_scenario(), pct, RESULTS, a.requests, *((200, 20, 2, 2) if a.quick else ())),
         "cycle": lambda: bench_cycle(10 if a.quick else 200),
         "nvml": lambda: bench_nvml(*((10, 1) if a.quick else ())),
         "xid": lambda: bench_xid(4 if a.quick else 200),

@@ -45,7 +45,14 @@ log = structlog.get_logger(__name__)
 ACCEPT_BATCH = 64
 LISTEN_BACKLOG = 4096  # capped by net.core.somaxconn
 READ_CHUNK = 16 * 1024
-WRITE_CHUNK = 64 * 1024
+# Responses up to SMALL_BODY (probes, gzipped metrics: what Prometheus asks for) are written
+# at once. Larger ones (uncompressed /metrics) are written in WRITE_CHUNK slices by at most
+# LARGE_WRITERS connections at a time, so clients that do not read hold at most
+# max_connections x SMALL_BODY + LARGE_WRITERS x 2 x WRITE_CHUNK bytes of our memory, until
+# the write timeout cuts them off. (64 KiB slices were measurably slower: more loop wake-ups.)
+SMALL_BODY = 64 * 1024
+WRITE_CHUNK = 256 * 1024
+LARGE_WRITERS = 16
 SERVER = "dra-gpu-exporter"  # no version: it only helps someone pick an exploit
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout", 429: "Too Many Requests", 431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable", 505: "HTTP Version Not Supported"}
 
@@ -176,7 +183,7 @@ class HttpServer:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._server: asyncio.AbstractServer | None = None
-        self._auth_pending = 0
+        self._large_writers = asyncio.Semaphore(LARGE_WRITERS)
         # counters (read by other threads for self-metrics; ints under the GIL)
         self.refused = 0
         self.evicted = 0
@@ -299,6 +306,7 @@ class HttpServer:
                     return
                 peer_cert = writer.get_extra_info("peercert")
                 conn.transport = writer.transport
+            writer.transport.set_write_buffer_limits(high=WRITE_CHUNK)
             await self._requests(conn, reader, writer, peer, peer_cert)
         except (ConnectionError, OSError, asyncio.IncompleteReadError, ssl.SSLError):
             pass  # the client went away: nothing to say
@@ -385,15 +393,19 @@ class HttpServer:
         if method == "HEAD":
             body = b""
         try:
-            if len(body) <= WRITE_CHUNK:
+            if len(body) <= SMALL_BODY:
                 writer.write(head + body)
                 await asyncio.wait_for(writer.drain(), self.limits.write_timeout)
             else:
-                writer.write(head)
-                view = memoryview(body)
-                for i in range(0, len(body), WRITE_CHUNK):
-                    writer.write(view[i : i + WRITE_CHUNK])
-                    await asyncio.wait_for(writer.drain(), self.limits.write_timeout)
+                await asyncio.wait_for(self._large_writers.acquire(), self.limits.write_timeout)
+                try:
+                    writer.write(head)
+                    view = memoryview(body)
+                    for i in range(0, len(body), WRITE_CHUNK):
+                        writer.write(view[i : i + WRITE_CHUNK])
+                        await asyncio.wait_for(writer.drain(), self.limits.write_timeout)
+                finally:
+                    self._large_writers.release()
         except (TimeoutError, asyncio.TimeoutError):
             self._timeout("write")
             writer.transport.abort()
