@@ -21,12 +21,27 @@ def _fail(msg: str, code: int = 2) -> int:
     return code
 
 
-def stop_on_signals(done: threading.Event) -> None:
-    """Set ``done`` on SIGINT or SIGTERM (the kubelet stops pods with SIGTERM). Main thread only."""
+# The DaemonSet's terminationGracePeriodSeconds is 10: the process must be gone before the
+# kubelet's SIGKILL, whatever part of the shutdown hangs (a wedged driver call, a blocked stderr).
+EXIT_DEADLINE = 8.0
+
+
+def stop_on_signals(done: threading.Event, exit_deadline: float | None = None) -> None:
+    """Set ``done`` on SIGINT or SIGTERM (the kubelet stops pods with SIGTERM). Main thread only.
+
+    With ``exit_deadline``, a clean stop gets that many seconds; then, or at a second signal, the
+    process ends at once. ``done`` is set before anything that can block (logging to a stalled
+    stderr)."""
 
     def handler(signum: int, frame: object) -> None:
-        log.info("signal_received", signal=signal.Signals(signum).name)
+        if done.is_set() and exit_deadline is not None:
+            os._exit(1)  # a second signal: the user means it
         done.set()
+        if exit_deadline is not None:
+            watchdog = threading.Timer(exit_deadline, os._exit, (1,))
+            watchdog.daemon = True
+            watchdog.start()
+        log.info("signal_received", signal=signal.Signals(signum).name)
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
@@ -66,7 +81,7 @@ def run_agent(cfg: Config) -> int:
         log.error("start_failed", error=str(e))
         return _fail(str(e), 1)
     done = threading.Event()
-    stop_on_signals(done)
+    stop_on_signals(done, EXIT_DEADLINE)
     try:
         done.wait()
     finally:

@@ -14,6 +14,7 @@ import http.client
 import os
 import resource
 import selectors
+import signal
 import socket
 import subprocess
 import sys
@@ -245,3 +246,42 @@ def test_a_scrape_flood_leaves_liveness_and_collection_alone(agent):
         for t in threads:
             t.join(60)
     assert not errors, errors[:3]
+
+
+HUNG_STOP = r"""
+import sys, threading
+from exporter.cli import stop_on_signals
+from exporter.logs import configure
+configure("json", "info")
+done = threading.Event()
+stop_on_signals(done, 2.0)
+def spam():  # fills stderr, which nobody reads: every later log call blocks
+    while True:
+        sys.stderr.write("x" * 4096 + "\n")
+threading.Thread(target=spam, daemon=True).start()
+print("armed", flush=True)
+done.wait()
+threading.Event().wait()  # a shutdown that never finishes (a wedged driver call)
+"""
+
+
+def test_sigterm_ends_the_process_when_shutdown_hangs_and_stderr_is_stalled():
+    """The issue's wedged agent: logging blocked on a full stderr pipe and a stop that never
+    returns. SIGTERM must still end the process before the kubelet's SIGKILL: the handler sets
+    the stop flag before it logs, and an exit deadline (8 s in the agent, 2 s here) ends the
+    process whatever hangs. The test only waits (generously) for the exit."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DRA_GPU_EXPORTER_")}
+    proc = subprocess.Popen([sys.executable, "-c", HUNG_STOP], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout.readline() == b"armed\n"
+        time.sleep(0.5)  # not a timing assertion: gives the spammer a chance to fill the pipe first
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("SIGTERM did not end the process")
+        assert code == 1  # ended by the exit deadline, not by the (hung) clean path
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
