@@ -9,9 +9,10 @@ streams do in a few hundred lines that this module can bound completely.
 
 The bounds, all in ``Limits``:
 - at most ``max_connections`` open connections (kept below the open-file limit). At the
-  ceiling, a new connection makes the oldest connection that is still waiting for a request
-  give way (an idle keep-alive or a slow sender: the cheapest to lose, and exactly what an
-  idle-connection attack consists of); with none to evict, the new one is closed at once;
+  ceiling, a new connection makes a connection that is waiting for a request give way: the
+  oldest that never completed one (an idle or slow-header client: the cheapest to lose, and
+  exactly what such an attack consists of), else the oldest idle keep-alive; with none to
+  evict, the new one is closed at once;
 - a connection must send the first byte of a request within ``idle_timeout`` and the whole
   request head within ``header_timeout`` after that; a response must drain within
   ``write_timeout``; a TLS handshake must finish within ``tls_handshake_timeout``;
@@ -116,13 +117,14 @@ class RateLimitedLog:
 
 
 class _Conn:
-    __slots__ = ("id", "transport", "waiting", "since")
+    __slots__ = ("id", "transport", "waiting", "since", "served")
 
     def __init__(self, cid: int, transport: asyncio.BaseTransport) -> None:
         self.id = cid
         self.transport = transport
         self.waiting = True  # waiting for (or reading) a request head: evictable
         self.since = time.monotonic()
+        self.served = 0  # requests answered: a scraper's keep-alive connection gives way last
 
 
 def effective_connection_limit(wanted: int) -> int:
@@ -251,7 +253,10 @@ class HttpServer:
                 self.refused += 1
                 self.client_log("http_connection_refused", reason=f"{self.max_connections} connections open, none idle")
                 return False
-            oldest = min(waiting, key=lambda c: c.since)
+            # connections that never completed a request first (what an idle or slow-header
+            # attack consists of), oldest first; a scraper's keep-alive connection only when
+            # nothing else is left
+            oldest = min(waiting, key=lambda c: (c.served > 0, c.since))
             self._conns.pop(oldest.id, None)
             oldest.transport.abort()
             self.evicted += 1
@@ -358,6 +363,7 @@ class HttpServer:
                 close = True  # bodies are never read; what follows the head is not a request
             resp = await self.handler(req)
             await self._answer(writer, resp, req.method, close=close or resp.close, version=req.version)
+            conn.served += 1
             if close or resp.close:
                 return
 
