@@ -241,3 +241,24 @@ def test_request_bodies_are_not_read_and_the_connection_closes(server):
     reply = closed_by_server(s)
     s.close()
     assert reply.startswith(b"HTTP/1.1 405 ") and b"Connection: close" in reply
+
+
+def test_a_scrapers_keep_alive_connection_outlives_an_idle_connection_flood():
+    s = MetricsServer("127.0.0.1", 0, lambda: (True, "ready"), limits=Limits(max_connections=16, idle_timeout=120.0, header_timeout=120.0))
+    s.publish(exposition())
+    s.start()
+    scraper = http.client.HTTPConnection("127.0.0.1", s.port, timeout=20)
+    socks = []
+    try:
+        scraper.request("GET", "/metrics")
+        assert scraper.getresponse().read() == s._exposition.body
+        socks = [socket.create_connection(("127.0.0.1", s.port), timeout=20) for _ in range(64)]
+        wait_for(lambda: s.stats().evicted >= 64 - 15, what="the flood evicting its own idle connections")
+        scraper.request("GET", "/metrics")  # the same connection: it was not the one to go
+        r = scraper.getresponse()
+        assert (r.status, r.read()) == (200, s._exposition.body)
+    finally:
+        scraper.close()
+        for x in socks:
+            x.close()
+        s.stop()
