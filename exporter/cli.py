@@ -10,7 +10,7 @@ import threading
 import structlog
 
 from . import __version__
-from .config import Config, ConfigError, build_parser, resolve
+from .config import Config, ConfigError, build_parser, check_kubelet_socket, resolve
 from .logs import configure
 
 log = structlog.get_logger("exporter")
@@ -74,6 +74,13 @@ def run_agent(cfg: Config) -> int:
     from .wiring import build_agent
 
     log.info("starting", version=__version__, node=cfg.node_name, backend=cfg.backend, taint_mode=cfg.taint_mode.value)
+    # The kubelet client rides these out (retries with backoff, device metrics keep flowing,
+    # the kubelet collector reports the failure): say so once, do not refuse to start.
+    problem = check_kubelet_socket(cfg.kubelet_socket)
+    if problem == "missing":
+        log.warning("kubelet_socket_missing", socket=cfg.kubelet_socket, hint="waiting for the kubelet; device metrics are served meanwhile")
+    elif problem:
+        log.warning("kubelet_socket_problem", socket=cfg.kubelet_socket, problem=problem, hint="retrying; pod attribution is off until it is fixed")
     try:
         agent = build_agent(cfg)
         agent.start()

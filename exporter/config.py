@@ -154,23 +154,14 @@ def _is_file(path: str) -> bool:
 def check_kubelet_socket(path: str) -> str | None:
     """Return a problem description, or None when the socket looks usable.
 
-    A missing socket is not fatal at start (the kubelet may come up later, and the agent keeps
-    serving device metrics), but a path that exists and is not a socket is a mistake worth
-    stopping for.
+    "missing" means the socket does not exist (yet). Only the problems of
+    :func:`kubelet_socket_unusable` stop the agent at start; the rest are problems the agent
+    rides out at run time (the kubelet client retries with backoff, device metrics keep being
+    served, the kubelet collector reports failure), so start-up only warns about them.
     """
+    if (fatal := kubelet_socket_unusable(path)) is not None:
+        return fatal
     p = Path(path)
-    if not path:
-        return "--kubelet-socket: empty path"
-    # sockaddr_un.sun_path holds 107 bytes plus a NUL: a longer path can never be connected to,
-    # so waiting for the kubelet to create it would wait forever.
-    try:
-        encoded = os.fsencode(os.path.abspath(path))
-    except UnicodeEncodeError:  # a lone surrogate: no file system name
-        return f"--kubelet-socket {path!r}: not a valid path"
-    if len(encoded) > 107:
-        return f"--kubelet-socket {path}: path too long for a unix socket (at most 107 bytes)"
-    if b"\0" in encoded:  # stat() raises ValueError for it, not OSError
-        return f"--kubelet-socket {path!r}: not a valid path (NUL byte)"
     try:
         st = p.stat()
     except FileNotFoundError:
@@ -188,11 +179,73 @@ def check_kubelet_socket(path: str) -> str | None:
     return None
 
 
+def kubelet_socket_unusable(path: str) -> str | None:
+    """A problem with the socket *path* that no change on the node can fix (so waiting for
+    the kubelet would wait forever): the one kind of kubelet-socket problem worth exit 2."""
+    if not path:
+        return "--kubelet-socket: empty path"
+    # sockaddr_un.sun_path holds 107 bytes plus a NUL: a longer path can never be connected to,
+    # so waiting for the kubelet to create it would wait forever.
+    try:
+        encoded = os.fsencode(os.path.abspath(path))
+    except UnicodeEncodeError:  # a lone surrogate: no file system name
+        return f"--kubelet-socket {path!r}: not a valid path"
+    if len(encoded) > 107:
+        return f"--kubelet-socket {path}: path too long for a unix socket (at most 107 bytes)"
+    if b"\0" in encoded:  # stat() raises ValueError for it, not OSError
+        return f"--kubelet-socket {path!r}: not a valid path (NUL byte)"
+    return None
+
+
+KUBECONFIG_LIMIT = 4 << 20  # bytes; kubeconfigs with embedded certificates are a few KiB
+
+
+def check_kubeconfig(path: str) -> None:
+    """Fail with one clear line when ``path`` cannot be a kubeconfig: missing, a directory,
+    unreadable, empty (``/dev/null``), or not a YAML mapping (``/etc/passwd``). The kubernetes
+    client's own loader answers the last two with a Python type error or "file is empty"."""
+    flag = f"--kubeconfig {path}"
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{flag}: no such file") from None
+    except (OSError, ValueError) as e:  # ENOTDIR, EACCES, ELOOP, a NUL byte
+        raise ConfigError(f"{flag}: {getattr(e, 'strerror', None) or e}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{flag}: is a directory, not a kubeconfig file")
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISCHR(st.st_mode)):
+        # a FIFO or socket would block the read below, or never end
+        raise ConfigError(f"{flag}: not a regular file")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(KUBECONFIG_LIMIT + 1)
+    except OSError as e:
+        raise ConfigError(f"{flag}: cannot read: {e.strerror or e}") from None
+    if len(data) > KUBECONFIG_LIMIT:
+        raise ConfigError(f"{flag}: larger than {KUBECONFIG_LIMIT >> 20} MiB, not a kubeconfig")
+    if not data.strip():
+        raise ConfigError(f"{flag}: empty file, not a kubeconfig")
+    import yaml  # only for this check; a dependency anyway (scenarios, manifests)
+
+    hint = "expected YAML with clusters, contexts and users"
+    try:
+        doc = yaml.safe_load(data)
+    except Exception as e:  # YAMLError, a huge integer, deep nesting...: all mean "not YAML we can use"
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{flag}: not valid YAML{where}; {hint}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{flag}: not a kubeconfig ({hint}, got {type(doc).__name__})")
+    if doc.get("kind") != "Config" and not any(k in doc for k in ("clusters", "contexts", "users", "current-context")):
+        raise ConfigError(f"{flag}: not a kubeconfig ({hint}; none of those keys is there)")
+
+
 def _add_common(p: argparse.ArgumentParser, demo: bool = False) -> None:
     listen, interval = ("127.0.0.1:9402", "1") if demo else (DEFAULT_LISTEN, "5")
     p.add_argument("--listen", metavar="HOST:PORT", help=f"address for /metrics, /healthz, /readyz (default {listen})")
     p.add_argument("--interval", metavar="SECONDS", help=f"collection interval, float seconds (default {interval})")
-    p.add_argument("--backend", choices=["auto", "nvml", "amdsmi", "sim"], help="device library (default auto)")
+    backend_help = "device library; the demo simulates its GPUs (sim, the default)" if demo else "device library: auto, nvml or amdsmi (default auto; sim is the demo's)"
+    p.add_argument("--backend", choices=["auto", "nvml", "amdsmi", "sim"], help=backend_help)
     p.add_argument("--taint-mode", choices=[m.value for m in TaintMode], help="remediation mode (default enforce)")
     p.add_argument("--log-format", choices=["auto", "json", "console"], help="auto: JSON unless stderr is a terminal")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -235,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="run the embedded simulated node (GPUs, kubelet, Kubernetes API)", argument_default=argparse.SUPPRESS
     )
     _add_common(d, demo=True)
-    d.add_argument("--scenario", metavar="FILE", help="scenario file (YAML or JSON); default: the built-in mixed node")
+    d.add_argument("--scenario", metavar="FILE|NAME", help="scenario file (YAML or JSON) or a bundled scenario's name (see --list-scenarios); default: mixed-node")
     d.add_argument("--time-scale", metavar="X", help="simulated seconds per real second (default 1)")
     d.add_argument("--list-scenarios", action="store_true", help="list the bundled scenarios and exit")
     return p
@@ -366,13 +419,18 @@ def _resolve(ns: argparse.Namespace, pick: Callable[..., str | None]) -> Config:
 
     demo = getattr(ns, "command", None) == "demo"
     if demo:
+        if kw.get("backend", "sim") not in ("sim", "auto"):
+            # The demo's GPUs are simulated; a real backend would be quietly ignored.
+            raise ConfigError(f"--backend {kw['backend']!r}: the demo simulates its GPUs (backend sim); to read this node's GPUs run the agent: dra-gpu-exporter --backend {kw['backend']}")
         if (v := pick("scenario")) is not None:
-            if not _is_file(v):
+            # A bundled scenario's name (as --list-scenarios prints it) is looked up by the
+            # demo; anything that looks like a path must be a file.
+            if not _is_file(v) and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", v):
                 raise ConfigError(f"--scenario {v}: no such file")
             kw["scenario"] = v
         if (v := pick("time-scale")) is not None:
             kw["time_scale"] = _positive_float("--time-scale", v, 0.01, 10000)
-        kw.setdefault("backend", "sim")
+        kw["backend"] = "sim"
         kw.setdefault("interval", 1.0)
         if "listen_host" not in kw:
             kw["listen_host"], kw["listen_port"] = "127.0.0.1", 9402
@@ -382,13 +440,16 @@ def _resolve(ns: argparse.Namespace, pick: Callable[..., str | None]) -> Config:
     if node and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", node):
         raise ConfigError(f"--node-name {node!r}: not a valid Kubernetes node name")
     kw["node_name"] = node or socket.gethostname().lower()
+    if kw.get("backend") == "sim":
+        raise ConfigError("--backend sim: the simulated backend runs only under `dra-gpu-exporter demo`; the agent takes auto, nvml or amdsmi")
     if (v := pick("kubelet-socket")) is not None:
         kw["kubelet_socket"] = v
-    problem = check_kubelet_socket(kw.get("kubelet_socket", DEFAULT_KUBELET_SOCKET))
-    if problem and problem != "missing":
+    # Only a path that can never work stops the start; a missing socket, a wrong file type or
+    # permissions are ridden out at run time (cli.run_agent warns about them).
+    problem = kubelet_socket_unusable(kw.get("kubelet_socket", DEFAULT_KUBELET_SOCKET))
+    if problem:
         raise ConfigError(problem)
     if (v := pick("kubeconfig")) is not None:
-        if not _is_file(v):
-            raise ConfigError(f"--kubeconfig {v}: no such file")
+        check_kubeconfig(v)
         kw["kubeconfig"] = v
     return Config(**kw)

@@ -68,7 +68,7 @@ def test_every_flag_on_the_command_line(tmp_path):
     kubeconfig = tmp_path / "kc"
     kubeconfig.write_text("apiVersion: v1\nkind: Config\n")
     c = cfg(
-        "--listen", "127.0.0.1:9999", "--interval", "0.5", "--backend", "sim", "--taint-mode", "dry-run",
+        "--listen", "127.0.0.1:9999", "--interval", "0.5", "--backend", "amdsmi", "--taint-mode", "dry-run",
         "--log-format", "json", "--log-level", "debug", "--call-timeout", "1.5", "--per-process",
         "--pod-label-allowlist", "app, team ,app.kubernetes.io/name", "--dcgm-compat-labels",
         "--taint-rate-limit", "3", "--taint-budget-fraction", "0.1", "--taint-hold-seconds", "60",
@@ -76,7 +76,7 @@ def test_every_flag_on_the_command_line(tmp_path):
     )
     assert (c.listen_host, c.listen_port) == ("127.0.0.1", 9999)
     assert c.interval == 0.5
-    assert c.backend == "sim"
+    assert c.backend == "amdsmi"
     assert c.taint_mode is TaintMode.DRY_RUN
     assert (c.log_format, c.log_level) == ("json", "debug")
     assert c.call_timeout == 1.5
@@ -220,23 +220,51 @@ def test_argparse_errors_are_one_line_too(capsys, argv):
     assert "see --help" in line
 
 
-def test_kubelet_socket_that_is_a_regular_file(capsys, tmp_path):
+# Issue 15: problems the agent rides out at run time (the kubelet client retries) are not a
+# reason to refuse the start; check_kubelet_socket still names them, and run_agent warns.
+def test_kubelet_socket_that_is_a_regular_file(tmp_path):
     f = tmp_path / "kubelet.sock"
     f.write_text("")
-    assert main(["--kubelet-socket", str(f)]) == 2
-    assert "exists but is not a unix socket" in one_error_line(capsys)
+    assert cfg("--kubelet-socket", str(f)).kubelet_socket == str(f)
+    assert "exists but is not a unix socket" in (check_kubelet_socket(str(f)) or "")
 
 
-def test_kubelet_socket_that_is_a_directory(capsys, tmp_path):
-    assert main(["--kubelet-socket", str(tmp_path)]) == 2
-    assert "not a unix socket" in one_error_line(capsys)
+def test_kubelet_socket_that_is_a_directory(tmp_path):
+    assert cfg("--kubelet-socket", str(tmp_path)).kubelet_socket == str(tmp_path)
+    assert "not a unix socket" in (check_kubelet_socket(str(tmp_path)) or "")
 
 
-def test_kubelet_socket_under_a_regular_file(capsys, tmp_path):
+def test_kubelet_socket_under_a_regular_file(tmp_path):
     f = tmp_path / "file"
     f.write_text("")
-    assert main(["--kubelet-socket", str(f / "kubelet.sock")]) == 2
-    assert "not a directory" in one_error_line(capsys)
+    assert cfg("--kubelet-socket", str(f / "kubelet.sock")).kubelet_socket == str(f / "kubelet.sock")
+    assert "not a directory" in (check_kubelet_socket(str(f / "kubelet.sock")) or "")
+
+
+def test_agent_starts_with_a_kubelet_socket_problem_it_tolerates(tmp_path):
+    """Issue 15: the socket path is a regular file (the kubelet not up yet, a hostPath mounted
+    wrong). The real entry point gets past configuration (no exit 2), warns once, and then
+    fails only for the missing GPU library (exit 1) -- on a GPU node it would keep running."""
+    f = tmp_path / "kubelet.sock"
+    f.write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DRA_GPU_EXPORTER_")}
+    env["LD_LIBRARY_PATH"] = str(tmp_path)  # no libnvidia-ml/libamd_smi here, whatever the host has
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "exporter", "--kubelet-socket", str(f), "--node-name", "n1", "--listen", "127.0.0.1:0", "--log-format", "json"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        rc = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:  # a machine with a GPU library: the agent runs on
+        proc.terminate()
+        proc.wait(timeout=30)
+        rc = None
+    err = proc.stderr.read()
+    proc.stderr.close()
+    assert "kubelet_socket_problem" in err and "exists but is not a unix socket" in err, err
+    assert rc != 2, err
+    if rc == 1:  # no GPU library on this machine: the start failed for that reason only
+        assert "start_failed" in err and "kubelet" not in err.split("start_failed", 1)[1], err
 
 
 def test_kubelet_socket_path_too_long_for_sun_path(capsys, tmp_path):
@@ -319,9 +347,98 @@ def test_entry_point_bad_env_value():
 
 
 def test_entry_point_unusable_socket(tmp_path):
-    f = tmp_path / "not-a-socket"
-    f.write_text("x")
-    r = _run(["--kubelet-socket", str(f)])
+    # Issue 15: only a path no kubelet can ever listen on stops the start (a regular file in
+    # its place is ridden out: test_agent_starts_with_a_kubelet_socket_problem_it_tolerates).
+    r = _run(["--kubelet-socket", str(tmp_path / ("d" * 120) / "kubelet.sock")])
     assert r.returncode == 2
     assert len(r.stderr.splitlines()) == 1 and "Traceback" not in r.stderr
-    assert "is not a unix socket" in r.stderr
+    assert "too long for a unix socket" in r.stderr
+
+
+# ------------------------------------------------------------------ issue 15: newcomer papercuts
+
+
+def test_agent_refuses_the_sim_backend_with_a_hint(capsys, monkeypatch):
+    # Decision: the simulated backend is the demo's; the agent refuses it at parse time (exit 2)
+    # and says where it works, instead of failing at start with exit 1.
+    assert main(["--backend", "sim"]) == 2
+    line = one_error_line(capsys)
+    assert "--backend sim" in line and "dra-gpu-exporter demo" in line
+    monkeypatch.setenv("DRA_GPU_EXPORTER_BACKEND", "sim")
+    assert main([]) == 2
+    assert "(from DRA_GPU_EXPORTER_BACKEND)" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("backend", ["nvml", "amdsmi"])
+def test_demo_refuses_a_real_backend_instead_of_ignoring_it(capsys, backend):
+    assert main(["demo", "--backend", backend]) == 2
+    line = one_error_line(capsys)
+    assert f"--backend '{backend}'" in line and "simulates its GPUs" in line
+    # before the subcommand too
+    assert main(["--backend", backend, "demo"]) == 2
+    one_error_line(capsys)
+
+
+@pytest.mark.parametrize("backend", ["sim", "auto"])
+def test_demo_takes_its_own_backend(backend):
+    assert cfg("demo", "--backend", backend).backend == "sim"
+
+
+def test_demo_scenario_by_bundled_name():
+    from exporter.sim.scenario import find_scenario
+
+    c = cfg("demo", "--scenario", "small-node")
+    assert c.scenario == "small-node"
+    for name, path in bundled_scenarios().items():  # every name --list-scenarios prints
+        assert find_scenario(name) == path
+
+
+def test_demo_unknown_scenario_name_lists_the_bundled_ones(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--scenario", "no-such-node"]) == 2
+    line = one_error_line(capsys)
+    assert "no-such-node" in line and "small-node" in line and "mixed-node" in line
+
+
+def test_a_file_wins_over_a_bundled_name(tmp_path, monkeypatch):
+    from exporter.sim.scenario import find_scenario
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "small-node").write_text("gpus: [{name: a}]\n")
+    assert find_scenario("small-node") == Path("small-node")
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        (None, "no such file"),
+        ("", "empty file, not a kubeconfig"),
+        ("root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin\n", "not a kubeconfig"),
+        ("clusters: [unclosed\n", "not valid YAML at line"),
+        ("- a\n- b\n", "got list"),
+        ("foo: bar\n", "none of those keys"),
+    ],
+)
+def test_kubeconfig_that_cannot_be_one_is_one_clear_line(capsys, tmp_path, content, fragment):
+    path = tmp_path / "kc"
+    if content is not None:
+        path.write_text(content)
+    assert main(["--kubeconfig", str(path)]) == 2
+    line = one_error_line(capsys)
+    assert fragment in line and str(path) in line
+    assert "object" not in line and "item assignment" not in line  # no Python type error
+
+
+def test_kubeconfig_etc_passwd_and_dev_null(capsys):
+    # The issue's two cases, verbatim: a Python type error and "no such file" before.
+    assert main(["--kubeconfig", "/dev/null"]) == 2
+    assert "/dev/null: empty file, not a kubeconfig" in one_error_line(capsys)
+    if Path("/etc/passwd").is_file():
+        assert main(["--kubeconfig", "/etc/passwd"]) == 2
+        line = one_error_line(capsys)
+        assert "/etc/passwd: not a kubeconfig" in line
+
+
+def test_kubeconfig_directory(capsys, tmp_path):
+    assert main(["--kubeconfig", str(tmp_path)]) == 2
+    assert "is a directory" in one_error_line(capsys)

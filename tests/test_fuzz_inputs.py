@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from exporter.cli import main
-from exporter.config import ENV_PREFIX, Config, ConfigError, TaintMode, build_parser, check_kubelet_socket, parse_listen, resolve
+from exporter.config import ENV_PREFIX, Config, ConfigError, TaintMode, build_parser, check_kubelet_socket, kubelet_socket_unusable, parse_listen, resolve
 from exporter.devices.model import ReadError, RecoveryAction
 from exporter.devices.sim import SimBackend, SimClock
 from exporter.sim import objects
@@ -694,10 +694,14 @@ def assert_config_ok(c: Config, demo: bool) -> None:
     exported = [re.sub(r"[^a-zA-Z0-9_]", "_", k) for k in c.pod_label_allowlist]
     assert len(set(exported)) == len(exported), c.pod_label_allowlist
     if demo:
-        assert c.scenario is None or Path(c.scenario).is_file()
+        # a file, or a name the demo looks up among the bundled scenarios (issue 15)
+        assert c.scenario is None or re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", c.scenario) or Path(c.scenario).is_file()
+        assert c.backend == "sim"
     else:
         assert NODE.fullmatch(c.node_name) and len(c.node_name) <= 253, c.node_name
-        assert check_kubelet_socket(c.kubelet_socket) in (None, "missing")
+        # issue 15: problems the kubelet client rides out do not stop the start; unusable paths do
+        assert kubelet_socket_unusable(c.kubelet_socket) is None
+        assert c.backend != "sim"  # the demo's backend, refused for the agent (issue 15)
         assert c.kubeconfig is None or Path(c.kubeconfig).is_file()
 
 

@@ -244,6 +244,24 @@ def test_device_plugin_allocations():
     assert snap.claims == ()  # device-plugin allocations have no claim
 
 
+def test_non_gpu_device_plugins_are_not_unresolved_gpus():
+    """Issue 15: RDMA, SR-IOV and fuse device plugins on a GPU node hold devices this agent
+    never reads; counting them kept dra_unresolved_devices (and its alert) up forever. The
+    vendors' GPU resources still count a miss, and so does a renamed GPU resource (a
+    time-slicing rename) once one of its devices resolves to a local GPU."""
+    snap = run([
+        dp("net", "a", "m", "mlx5_0", "rdma/hca_shared_devices_a"),
+        dp("net", "b", "m", "0000:3b:00.2", "intel.com/sriov_netdevice"),
+        dp("fs", "c", "m", "fuse0", "smarter-devices/fuse"),
+        dp("ml", "d", "m", "GPU-gone"),
+        dp("ml", "e", "m", "GPU-gone-too", "amd.com/gpu"),
+    ])
+    assert snap.unresolved == {NV: 0, "nvidia.com/gpu": 1, "amd.com/gpu": 1}
+    assert {a.pod for a in snap.allocations} == {"a", "b", "c", "d", "e"}  # still in the join table
+    renamed = run([dp("ml", "f", "m", G0.uuid, "nvidia.com/gpu.shared"), dp("ml", "g", "m", "GPU-gone", "nvidia.com/gpu.shared"), dp("x", "h", "m", "gpu-ish", "example.com/gpu-shared")])
+    assert renamed.unresolved == {NV: 0, "nvidia.com/gpu.shared": 1}
+
+
 def test_missing_readings_and_empty_inputs():
     snap = run([dra("ml", "p", "m", "c", "gpu-0")], readings={})
     assert not snap.device(G0.uuid).up and snap.device(G0.uuid).utilization is None

@@ -1,5 +1,10 @@
 """Every manifest we ship, against the official Kubernetes schemas and against our own contract.
 
+daemonset.yaml and deploy/prometheus-operator.yaml are generated from the Helm chart
+(tools/render_manifest.py); tests/test_chart.py checks the chart itself and keeps them equal to
+its render. What the agent's RBAC must hold is derived from its own requests in
+tests/test_rbac_derived.py.
+
 Built-in kinds are validated strictly (unknown fields rejected) with kubernetes-validate for every
 supported release, 1.34 to 1.37. Prometheus Operator kinds (ServiceMonitor, PrometheusRule) have no
 official schema there; they get a field whitelist taken from the operator's CRDs, and the rules
@@ -25,7 +30,7 @@ VERSIONS = ["1.34", "1.35", "1.36", "1.37"]
 NAMESPACE = "dra-gpu-exporter"
 SA = "dra-gpu-exporter"
 # Kinds that come from CRDs and so have no schema in kubernetes-validate.
-CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
 
 def load_docs(path: Path) -> list[dict[str, Any]]:
@@ -34,7 +39,10 @@ def load_docs(path: Path) -> list[dict[str, Any]]:
 
 def manifest_files() -> list[Path]:
     files = [REPO / "daemonset.yaml", REPO / "alerts" / "prometheusrule.yaml"]
-    files += sorted(p for p in (REPO / "deploy").rglob("*.yaml") if "patch" not in p.name)
+    # deploy/helm holds Go templates, not manifests: test_chart.py validates its renders.
+    files += sorted(
+        p for p in (REPO / "deploy").rglob("*.yaml") if "patch" not in p.name and "helm" not in p.relative_to(REPO).parts
+    )
     return files
 
 
@@ -106,12 +114,18 @@ def test_manifest_holds_the_whole_install(docs: list[dict[str, Any]]) -> None:
             "ServiceAccount",
             "ClusterRole",
             "ClusterRoleBinding",
-            "ValidatingAdmissionPolicy",
+            "Role",  # events in "default"
+            "RoleBinding",
+            "Role",  # the budget and state ConfigMaps in the agent's namespace
+            "RoleBinding",
+            "ValidatingAdmissionPolicy",  # DeviceTaintRules
+            "ValidatingAdmissionPolicyBinding",
+            "ValidatingAdmissionPolicy",  # ConfigMaps
             "ValidatingAdmissionPolicyBinding",
             "PriorityClass",
+            "ConfigMap",  # the cluster budget
             "DaemonSet",
             "Service",
-            "ServiceMonitor",
         ]
     )
     for doc in docs:
@@ -119,8 +133,18 @@ def test_manifest_holds_the_whole_install(docs: list[dict[str, Any]]) -> None:
             "kind"
         ].startswith("ValidatingAdmissionPolicy"):
             assert "namespace" not in doc["metadata"], doc["kind"]
+        elif doc["metadata"]["name"] == "dra-gpu-exporter-events":
+            # Events about cluster-scoped objects (Nodes, DeviceTaintRules) live in "default".
+            assert doc["metadata"]["namespace"] == "default", doc["kind"]
         else:
             assert doc["metadata"]["namespace"] == NAMESPACE, doc["kind"]
+
+
+def test_the_core_manifest_needs_no_crd(docs: list[dict[str, Any]]) -> None:
+    # `kubectl apply -f daemonset.yaml` must work on a bare cluster (and in GitOps syncs).
+    assert not [d["kind"] for d in docs if d["kind"] in CRD_KINDS]
+    operator = load_docs(REPO / "deploy" / "prometheus-operator.yaml")
+    assert sorted(d["kind"] for d in operator) == ["PrometheusRule", "ServiceMonitor"]
 
 
 # --- RBAC: least privilege --------------------------------------------------------------------
@@ -140,25 +164,40 @@ def _rules(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
 
 
 def test_cluster_role_is_least_privilege(docs: list[dict[str, Any]]) -> None:
+    # What the agent's requests need (derived and compared both ways in test_rbac_derived.py);
+    # issue 16 trimmed claims to get, slices to list/watch, events to one namespace, and dropped
+    # cluster-wide pods (only --per-process / --pod-label-allowlist list this node's pods).
     rules = _rules(one(docs, "ClusterRole", "dra-gpu-exporter"))
     assert rules == {
-        ("resource.k8s.io", "resourceslices"): set(READ),
-        ("resource.k8s.io", "resourceclaims"): set(READ),
-        ("", "pods"): set(READ),
+        ("resource.k8s.io", "resourceslices"): {"list", "watch"},
+        ("resource.k8s.io", "resourceclaims"): {"get"},
         ("", "nodes"): set(READ),
-        ("resource.k8s.io", "devicetaintrules"): set(READ) | {"create", "update", "patch", "delete"},
-        ("events.k8s.io", "events"): {"create", "patch"},
+        ("resource.k8s.io", "devicetaintrules"): {"list", "watch", "create", "patch", "delete"},
     }
 
 
-def test_no_namespaced_grants_beyond_the_cluster_role(docs: list[dict[str, Any]]) -> None:
-    """The budget is counted from the agent's labelled DeviceTaintRules, so the agent needs no
-    Lease (or anything else) in its namespace: a grant it never uses is not least privilege."""
-    assert [d["kind"] for d in docs if d["kind"] in {"Role", "RoleBinding"}] == []
+def test_namespaced_grants(docs: list[dict[str, Any]]) -> None:
+    """Events only in "default"; ConfigMaps only in the agent's namespace: the budget by name, and
+    the node state (whose name RBAC cannot pin for create; the state policy does)."""
+    events = one(docs, "Role", "dra-gpu-exporter-events")
+    assert events["metadata"]["namespace"] == "default"
+    assert _rules(events) == {("events.k8s.io", "events"): {"create"}}
+    own = one(docs, "Role", "dra-gpu-exporter")
+    assert own["metadata"]["namespace"] == NAMESPACE
+    assert own["rules"] == [
+        {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["dra-gpu-exporter-budget"],
+         "verbs": ["get", "list", "watch", "update"]},
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "update"]},
+    ]
+    budget = one(docs, "ConfigMap", "dra-gpu-exporter-budget")
+    assert budget["metadata"]["namespace"] == NAMESPACE
+    assert set(budget["data"]) == {"max_domains", "fraction", "cluster_gpus"}
 
 
 @pytest.mark.parametrize("kind,role_kind,name", [
     ("ClusterRoleBinding", "ClusterRole", "dra-gpu-exporter"),
+    ("RoleBinding", "Role", "dra-gpu-exporter"),
+    ("RoleBinding", "Role", "dra-gpu-exporter-events"),
 ])
 def test_bindings_grant_only_the_agent(docs: list[dict[str, Any]], kind: str, role_kind: str, name: str) -> None:
     binding = one(docs, kind, name)
@@ -167,9 +206,10 @@ def test_bindings_grant_only_the_agent(docs: list[dict[str, Any]], kind: str, ro
     one(docs, role_kind, name)
 
 
-def test_admission_policy_is_bound_and_targets_the_agent(docs: list[dict[str, Any]]) -> None:
-    policy = one(docs, "ValidatingAdmissionPolicy")
-    binding = one(docs, "ValidatingAdmissionPolicyBinding")
+@pytest.mark.parametrize("name", ["dra-gpu-exporter-own-node-taints", "dra-gpu-exporter-own-node-state"])
+def test_admission_policy_is_bound_and_targets_the_agent(docs: list[dict[str, Any]], name: str) -> None:
+    policy = one(docs, "ValidatingAdmissionPolicy", name)
+    binding = one(docs, "ValidatingAdmissionPolicyBinding", name)
     assert binding["spec"]["policyName"] == policy["metadata"]["name"]
     assert binding["spec"]["validationActions"] == ["Deny"]
     (condition,) = policy["spec"]["matchConditions"]
@@ -197,7 +237,11 @@ def test_container_image_args_and_port(container: dict[str, Any]) -> None:
     assert container["image"] == "ghcr.io/dra-gpu-exporter/dra-gpu-exporter:0.1.0"
     args = container["args"]
     assert args[args.index("--listen") + 1] == "0.0.0.0:9402"
-    assert args[args.index("--taint-mode") + 1] in {"off", "dry-run", "shadow", "enforce"}
+    # The mode is an environment variable, so `kubectl set env` can change it (issue 15): a
+    # --taint-mode flag would silently win over it.
+    assert "--taint-mode" not in args
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["DRA_GPU_EXPORTER_TAINT_MODE"] == "enforce"
     assert {"name": "metrics", "containerPort": 9402, "protocol": "TCP"} in container["ports"]
 
 
@@ -277,6 +321,11 @@ SERVICE_MONITOR_FIELDS = {
 }
 
 
+@pytest.fixture(scope="module")
+def operator_docs() -> list[dict[str, Any]]:
+    return load_docs(REPO / "deploy" / "prometheus-operator.yaml")
+
+
 def test_service_selects_the_agent_pods(docs: list[dict[str, Any]], daemonset: dict[str, Any]) -> None:
     service = one(docs, "Service")
     pod_labels = daemonset["spec"]["template"]["metadata"]["labels"]
@@ -285,9 +334,11 @@ def test_service_selects_the_agent_pods(docs: list[dict[str, Any]], daemonset: d
     assert port == {"name": "metrics", "port": 9402, "targetPort": "metrics", "protocol": "TCP"}
 
 
-def test_service_monitor_scrapes_the_service_with_honor_labels(docs: list[dict[str, Any]]) -> None:
+def test_service_monitor_scrapes_the_service_with_honor_labels(
+    docs: list[dict[str, Any]], operator_docs: list[dict[str, Any]]
+) -> None:
     service = one(docs, "Service")
-    monitor = one(docs, "ServiceMonitor")
+    monitor = one(operator_docs, "ServiceMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     spec = monitor["spec"]
     assert set(spec) <= SERVICE_MONITOR_FIELDS["spec"]
@@ -381,7 +432,9 @@ def _patch(name: str) -> list[dict[str, Any]]:
     return yaml.safe_load((REPO / "deploy" / "kube-rbac-proxy" / name).read_text())
 
 
-def test_kube_rbac_proxy_variant_is_valid_and_consistent(docs: list[dict[str, Any]], daemonset: dict[str, Any]) -> None:
+def test_kube_rbac_proxy_variant_is_valid_and_consistent(
+    docs: list[dict[str, Any]], operator_docs: list[dict[str, Any]], daemonset: dict[str, Any]
+) -> None:
     patched = apply_json_patch(daemonset, _patch("daemonset-patch.yaml"))
     assert _validate_everywhere(patched) == VERSIONS
     agent, proxy = patched["spec"]["template"]["spec"]["containers"]
@@ -402,7 +455,7 @@ def test_kube_rbac_proxy_variant_is_valid_and_consistent(docs: list[dict[str, An
     (port,) = service["spec"]["ports"]
     assert port["targetPort"] in proxy_ports and port["port"] == proxy_ports[port["targetPort"]]
 
-    monitor = apply_json_patch(one(docs, "ServiceMonitor"), _patch("servicemonitor-patch.yaml"))
+    monitor = apply_json_patch(one(operator_docs, "ServiceMonitor"), _patch("servicemonitor-patch.yaml"))
     (endpoint,) = monitor["spec"]["endpoints"]
     assert set(endpoint) <= SERVICE_MONITOR_FIELDS["endpoint"]
     assert endpoint["port"] == port["name"] and endpoint["scheme"] == "https"

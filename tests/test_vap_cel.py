@@ -1,118 +1,53 @@
-"""The ValidatingAdmissionPolicy in daemonset.yaml, evaluated by a real CEL interpreter.
+"""The ValidatingAdmissionPolicies in daemonset.yaml (the chart's default render), evaluated by a
+real CEL interpreter (cel-python, tests/vap_eval.py: the apiserver's evaluation rules).
 
-There is no kube-apiserver here, so the policy's own expressions (matchConditions, variables,
-validations, messageExpressions) are compiled and run by cel-python against admission requests
-shaped like the apiserver's (request.operation, request.userInfo with the node-name extra from a
-pod-bound service-account token, object, oldObject). Evaluation follows the apiserver's rules:
-variables are evaluated in order and visible as ``variables.<name>``; a policy applies only when all
-matchConditions are true; any false validation denies; an evaluation error denies because the
-policy's failurePolicy is Fail.
-
-The sample DeviceTaintRules are themselves validated against the official schemas of every
+Two policies: "own-node-taints" confines each agent to DeviceTaintRules of its own node (name
+prefix with the node, pool == node, node label, a configured GPU driver, one device, our taint
+key domain); "own-node-state" confines its ConfigMap writes to its node's state object and its
+own entries of the shared budget. The node name is the one bound into the pod's service-account
+token. The sample DeviceTaintRules are themselves validated against the official schemas of every
 DeviceTaintRule version, so the objects the policy is tested on are objects the apiserver accepts.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-celpy = pytest.importorskip("celpy", reason="cel-python (test extra) is needed to evaluate CEL")
+pytest.importorskip("celpy", reason="cel-python (test extra) is needed to evaluate CEL")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
+from chart_render import render_docs  # noqa: E402
+from vap_eval import NODE_CLAIM, Decision, PolicyEvaluator, agent_request  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parent.parent
 AGENT_USER = "system:serviceaccount:dra-gpu-exporter:dra-gpu-exporter"
-NODE_CLAIM = "authentication.kubernetes.io/node-name"
 # DeviceTaintRule versions and the first release whose schema has them in the shape we use
 # (v1alpha3 dropped deviceClassName/selectors in 1.35).
 RULE_VERSIONS = {"v1alpha3": "1.35", "v1beta2": "1.36", "v1": "1.37"}
+TAINTS_POLICY = "dra-gpu-exporter-own-node-taints"
+STATE_POLICY = "dra-gpu-exporter-own-node-state"
 
 
-def _load_policy() -> dict[str, Any]:
-    docs = [d for d in yaml.safe_load_all((REPO / "daemonset.yaml").read_text()) if d]
-    policies = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"]
-    assert len(policies) == 1, "daemonset.yaml must hold exactly one ValidatingAdmissionPolicy"
+def _load_policy(name: str = TAINTS_POLICY, docs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    if docs is None:
+        docs = [d for d in yaml.safe_load_all((REPO / "daemonset.yaml").read_text()) if d]
+    policies = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy" and d["metadata"]["name"] == name]
+    assert len(policies) == 1, f"expected exactly one ValidatingAdmissionPolicy {name}"
     return policies[0]
-
-
-@dataclass
-class Decision:
-    applies: bool
-    denials: list[str] = field(default_factory=list)
-
-    @property
-    def allowed(self) -> bool:
-        return not self.denials
-
-
-class PolicyEvaluator:
-    """Runs one ValidatingAdmissionPolicy's CEL the way the apiserver does (see module doc)."""
-
-    def __init__(self, policy: dict[str, Any]) -> None:
-        env = celpy.Environment()
-        spec = policy["spec"]
-        self.fail_closed = spec.get("failurePolicy", "Fail") == "Fail"
-        self.match_conditions = [
-            (m["name"], env.program(env.compile(m["expression"])))
-            for m in spec.get("matchConditions", [])
-        ]
-        self.variables = [
-            (v["name"], env.program(env.compile(v["expression"]))) for v in spec.get("variables", [])
-        ]
-        self.validations = []
-        for v in spec["validations"]:
-            message_program = (
-                env.program(env.compile(v["messageExpression"])) if "messageExpression" in v else None
-            )
-            self.validations.append(
-                (v["expression"], env.program(env.compile(v["expression"])), v.get("message"), message_program)
-            )
-
-    def evaluate(self, request: dict[str, Any], obj: dict[str, Any] | None, old: dict[str, Any] | None) -> Decision:
-        activation: dict[str, Any] = {
-            "request": celpy.json_to_cel(request),
-            "object": celpy.json_to_cel(obj),
-            "oldObject": celpy.json_to_cel(old),
-        }
-        for _name, program in self.match_conditions:
-            if not bool(program.evaluate(activation)):
-                return Decision(applies=False)
-        variables: dict[str, Any] = {}
-        for name, program in self.variables:
-            activation["variables"] = celpy.celtypes.MapType(
-                {celpy.celtypes.StringType(k): v for k, v in variables.items()}
-            )
-            variables[name] = program.evaluate(activation)
-        activation["variables"] = celpy.celtypes.MapType(
-            {celpy.celtypes.StringType(k): v for k, v in variables.items()}
-        )
-        decision = Decision(applies=True)
-        for source, program, message, message_program in self.validations:
-            try:
-                ok = program.evaluate(activation)
-            except celpy.CELEvalError as exc:
-                if self.fail_closed:
-                    decision.denials.append(f"error evaluating {source!r}: {exc}")
-                continue
-            if isinstance(ok, celpy.CELEvalError):
-                decision.denials.append(f"error evaluating {source!r}: {ok}")
-                continue
-            if not bool(ok):
-                text = message or source
-                if message_program is not None:
-                    text = str(message_program.evaluate(activation))
-                decision.denials.append(text)
-        return decision
 
 
 @pytest.fixture(scope="module")
 def policy() -> PolicyEvaluator:
     return PolicyEvaluator(_load_policy())
+
+
+@pytest.fixture(scope="module")
+def state_policy() -> PolicyEvaluator:
+    return PolicyEvaluator(_load_policy(STATE_POLICY))
 
 
 def rule(
@@ -149,21 +84,7 @@ def rule(
 
 
 def request(operation: str, node: str | None = "gpu-node-1", user: str = AGENT_USER) -> dict[str, Any]:
-    extra: dict[str, list[str]] = {
-        "authentication.kubernetes.io/pod-name": ["dra-gpu-exporter-abcde"],
-        "authentication.kubernetes.io/pod-uid": ["0f3c1d9e-1111-4222-8333-444455556666"],
-    }
-    if node is not None:
-        extra[NODE_CLAIM] = [node]
-    return {
-        "operation": operation,
-        "userInfo": {
-            "username": user,
-            "uid": "6a3f0c2e-aaaa-4bbb-8ccc-ddddeeeeffff",
-            "groups": ["system:serviceaccounts", "system:serviceaccounts:dra-gpu-exporter", "system:authenticated"],
-            "extra": extra,
-        },
-    }
+    return agent_request(operation, node, user)
 
 
 # --- the samples are real DeviceTaintRules -----------------------------------------------------
@@ -282,7 +203,7 @@ def test_create_with_a_foreign_taint_key_is_denied(policy: PolicyEvaluator, key:
 
 @pytest.mark.parametrize("name", ["gpu-node-1-gpu-3", "dra-gpu-exporter", "xdra-gpu-exporter-gpu-node-1"])
 def test_create_with_a_foreign_name_is_denied(policy: PolicyEvaluator, name: str) -> None:
-    _denied(policy.evaluate(request("CREATE"), rule(name=name), None), "named dra-gpu-exporter-*")
+    _denied(policy.evaluate(request("CREATE"), rule(name=name), None), "named dra-gpu-exporter-gpu-node-1-*")
 
 
 def test_create_with_a_wrong_node_label_is_denied(policy: PolicyEvaluator) -> None:
@@ -317,5 +238,144 @@ def test_delete_of_a_non_agent_rule_on_own_node_is_denied(policy: PolicyEvaluato
     # An admin's own maintenance rule on this node: the agent must leave it alone.
     admin_rule = rule(name="maintenance-gpu-node-1", key="example.com/maintenance")
     decision = policy.evaluate(request("DELETE"), None, admin_rule)
-    _denied(decision, "named dra-gpu-exporter-*")
+    _denied(decision, "named dra-gpu-exporter-gpu-node-1-*")
     _denied(decision, "gpu-health.dra-gpu-exporter.io/ domain")
+
+
+# --- bound to the node: names and drivers (issue 16) --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "dra-gpu-exporter-gpu-node-2-gpu-3-5a0c2d1e00",  # another node's deterministic name
+        "dra-gpu-exporter-gpu-node-10-gpu-3-5a0c2d1e00",  # a node whose name starts with ours
+        "dra-gpu-exporter-gpu-3-5a0c2d1e00",
+    ],
+    ids=["other-node", "longer-node-name", "no-node"],
+)
+def test_create_with_a_cross_node_name_for_own_pool_is_denied(policy: PolicyEvaluator, name: str) -> None:
+    # node-b squatting node-a's rule name: node-a's agent would adopt it, be refused and never taint.
+    decision = policy.evaluate(request("CREATE"), rule(name=name), None)
+    _denied(decision, "named dra-gpu-exporter-gpu-node-1-*")
+    assert len(decision.denials) == 1  # the pool, label, driver and key are all fine
+
+
+def test_the_agents_own_rule_names_are_allowed(policy: PolicyEvaluator) -> None:
+    from exporter.remediation import names
+
+    for device in ("gpu-0", "gpu-0-mig-1g.10gb-9-0", "GPU_7"):
+        name = names.rule_name("gpu-node-1", "gpu.nvidia.com", "gpu-node-1", device)
+        assert policy.evaluate(request("CREATE"), rule(name=name, device=device), None).allowed, name
+
+
+@pytest.mark.parametrize("driver", ["gpu.amd.com", "gpu.nvidia.com"])
+def test_gpu_drivers_are_allowed(policy: PolicyEvaluator, driver: str) -> None:
+    assert policy.evaluate(request("CREATE"), rule(driver=driver), None).allowed
+
+
+@pytest.mark.parametrize("driver", ["compute-domain.nvidia.com", "sriovnetwork.k8snetworkplumbingwg.io", "gpu.nvidia.com.evil"])
+def test_non_gpu_drivers_are_denied(policy: PolicyEvaluator, driver: str) -> None:
+    # NIC VFs and compute-domain channels share the node's pool name; a GPU agent must not taint them.
+    decision = policy.evaluate(request("CREATE"), rule(driver=driver), None)
+    _denied(decision, "only taint devices of the GPU drivers gpu.nvidia.com, gpu.amd.com")
+    decision = policy.evaluate(request("UPDATE"), rule(), rule(driver=driver))
+    _denied(decision, "GPU drivers")
+
+
+def test_the_driver_list_is_a_chart_value() -> None:
+    docs = render_docs({"admissionPolicy": {"gpuDrivers": ["gpu.example.com"]}})
+    custom = PolicyEvaluator(_load_policy(TAINTS_POLICY, docs))
+    assert custom.evaluate(request("CREATE"), rule(driver="gpu.example.com"), None).allowed
+    _denied(custom.evaluate(request("CREATE"), rule(driver="gpu.nvidia.com"), None), "GPU drivers gpu.example.com")
+
+
+# --- the state and budget ConfigMaps ------------------------------------------------------------
+
+BUDGET = "dra-gpu-exporter-budget"
+
+
+def configmap(name: str, data: dict[str, str] | None = None) -> dict[str, Any]:
+    obj: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": "dra-gpu-exporter", "resourceVersion": "7"},
+    }
+    if data is not None:
+        obj["data"] = data
+    return obj
+
+
+CAPACITY = {"max_domains": "0", "fraction": "0.05", "cluster_gpus": "800"}
+
+
+def test_configmap_samples_are_schema_valid() -> None:
+    for obj in (configmap("dra-gpu-exporter-node-gpu-node-1", {"state": "{}"}), configmap(BUDGET, CAPACITY)):
+        kubernetes_validate.validate(obj, "1.37", strict=True)
+
+
+def test_own_state_configmap_create_and_update_are_allowed(state_policy: PolicyEvaluator) -> None:
+    own = configmap("dra-gpu-exporter-node-gpu-node-1", {"rules": "{}"})
+    assert state_policy.evaluate(request("CREATE"), own, None).allowed
+    newer = configmap("dra-gpu-exporter-node-gpu-node-1", {"rules": '{"gpu-3": "fatal"}'})
+    assert state_policy.evaluate(request("UPDATE"), newer, own).allowed
+
+
+@pytest.mark.parametrize("operation", ["CREATE", "UPDATE"])
+@pytest.mark.parametrize(
+    "name", ["dra-gpu-exporter-node-gpu-node-2", "dra-gpu-exporter-node-gpu-node-10", "kube-root-ca.crt", "dra-gpu-exporter-node-"]
+)
+def test_another_nodes_state_configmap_is_denied(state_policy: PolicyEvaluator, operation: str, name: str) -> None:
+    obj = configmap(name, {"rules": "{}"})
+    old = copy.deepcopy(obj) if operation == "UPDATE" else None
+    _denied(state_policy.evaluate(request(operation), obj, old), "may only write ConfigMap")
+
+
+def test_state_configmaps_cannot_be_deleted(state_policy: PolicyEvaluator) -> None:
+    own = configmap("dra-gpu-exporter-node-gpu-node-1", {})
+    _denied(state_policy.evaluate(request("DELETE"), None, own), "may only write ConfigMap")
+
+
+def test_budget_take_and_release_of_own_entries_are_allowed(state_policy: PolicyEvaluator) -> None:
+    before = configmap(BUDGET, {**CAPACITY, "gpu-node-2.GPU-b": "1"})
+    taken = configmap(BUDGET, {**CAPACITY, "gpu-node-2.GPU-b": "1", "gpu-node-1.GPU-a": "1"})
+    assert state_policy.evaluate(request("UPDATE"), taken, before).allowed
+    assert state_policy.evaluate(request("UPDATE"), before, taken).allowed  # released
+    # the first entry ever, into a budget created without data
+    assert state_policy.evaluate(request("UPDATE"), configmap(BUDGET, {"gpu-node-1.GPU-a": "1"}), configmap(BUDGET)).allowed
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        {**CAPACITY},  # another node's entry released
+        {**CAPACITY, "gpu-node-2.GPU-b": "1", "gpu-node-2.GPU-c": "1"},  # taken for another node
+        {**CAPACITY, "gpu-node-2.GPU-b": "2"},  # another node's entry rewritten
+        {"max_domains": "1000", "fraction": "0.05", "cluster_gpus": "800", "gpu-node-2.GPU-b": "1"},  # capacity raised
+        {"gpu-node-2.GPU-b": "1"},  # capacity removed
+    ],
+    ids=["release-other", "take-for-other", "rewrite-other", "raise-capacity", "drop-capacity"],
+)
+def test_budget_updates_beyond_own_entries_are_denied(state_policy: PolicyEvaluator, after: dict[str, str]) -> None:
+    before = configmap(BUDGET, {**CAPACITY, "gpu-node-2.GPU-b": "1"})
+    _denied(state_policy.evaluate(request("UPDATE"), configmap(BUDGET, after), before), "may only change budget entries gpu-node-1.*")
+
+
+def test_budget_cannot_be_created_or_deleted_by_the_agent(state_policy: PolicyEvaluator) -> None:
+    _denied(state_policy.evaluate(request("CREATE"), configmap(BUDGET, CAPACITY), None), "update dra-gpu-exporter-budget")
+    _denied(state_policy.evaluate(request("DELETE"), None, configmap(BUDGET, CAPACITY)), "update dra-gpu-exporter-budget")
+
+
+def test_state_policy_needs_the_node_claim_and_ignores_others(state_policy: PolicyEvaluator) -> None:
+    own = configmap("dra-gpu-exporter-node-gpu-node-1", {})
+    _denied(state_policy.evaluate(request("CREATE", node=None), own, None), "no node-name claim")
+    assert not state_policy.evaluate(request("CREATE", user="kubernetes-admin"), configmap(BUDGET, CAPACITY), None).applies
+
+
+def test_state_policy_is_scoped_to_the_agents_namespace_and_configmaps() -> None:
+    spec = _load_policy(STATE_POLICY)["spec"]
+    constraints = spec["matchConstraints"]
+    assert constraints["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "dra-gpu-exporter"}}
+    (resource_rule,) = constraints["resourceRules"]
+    assert resource_rule["resources"] == ["configmaps"] and resource_rule["apiGroups"] == [""]
+    assert spec["failurePolicy"] == "Fail"

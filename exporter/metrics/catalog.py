@@ -27,7 +27,7 @@ def _m(name: str, kind: str, labels: str, help: str) -> MetricDef:
 U = "uuid"
 CATALOG: tuple[MetricDef, ...] = (
     # devices
-    _m("gpu_info", "gauge", "uuid,vendor,model,pci_bus_id,driver_version,parent_uuid,mig_profile", "1 per device (full GPU, MIG instance or partition)"),
+    _m("gpu_info", "gauge", "uuid,vendor,model,pci_bus_id,driver_version,parent_uuid,mig_profile,index,gpu_instance_id", "1 per device (full GPU, MIG instance or partition); index: the GPU's index in the device library (nvidia-smi, amd-smi), a MIG instance's or partition's is its GPU's; gpu_instance_id: the MIG GPU instance id"),
     _m("gpu_up", "gauge", U, "1 when the device was read successfully in the last cycle"),
     _m("gpu_utilization_ratio", "gauge", U, "Share of time a kernel was running (MIG: GPM SM activity), 0..1"),
     _m("gpu_memory_used_bytes", "gauge", U, "Device memory in use"),

@@ -176,9 +176,13 @@ class SnapshotCollector(Collector):
         gauges = {name: _fam(name, extra) for name, _, _ in _READING_GAUGES}
         ecc = _fam("gpu_ecc_errors_total")
         remap = _fam("gpu_remapped_rows_total")
+        gpu_index = {d.uuid: d.identity.index for d in snap.devices if not d.identity.is_partition}
         for d in snap.devices:
             i = d.identity
-            info.add_metric([node, i.uuid, i.vendor.value, i.model, i.pci_bus_id, i.driver_version, i.parent_uuid, i.mig_profile], 1)
+            # index is the physical GPU's (a MIG instance's own index is a slot in its GPU)
+            index = gpu_index.get(i.parent_uuid if i.is_partition else i.uuid)
+            gi = "" if i.gpu_instance_id is None else str(i.gpu_instance_id)
+            info.add_metric([node, i.uuid, i.vendor.value, i.model, i.pci_bus_id, i.driver_version, i.parent_uuid, i.mig_profile, "" if index is None else str(index), gi], 1)
             up.add_metric([node, i.uuid], 1 if d.up else 0)
             r: DeviceReading | None = d.reading
             if r is None or not r.ok:

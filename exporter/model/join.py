@@ -121,10 +121,25 @@ def join(inp: JoinInputs) -> Snapshot:
         devices=devices,
         allocations=tuple(rows),
         claims=claim_views,
-        unresolved=_unresolved_counts(slices, unresolved, gpu_drivers, {r.driver for r in rows if r.source == "device-plugin"}),
+        unresolved=_unresolved_counts(slices, unresolved, gpu_drivers, _plugin_gpu_resources(rows)),
         pod_labels={k: dict(v) for k, v in (inp.pod_labels or {}).items()},
         pod_uids=pod_uids,
     )
+
+
+# Device-plugin resources that are GPUs by name. Others on a GPU node (RDMA, SR-IOV NICs,
+# fuse, ...) hold devices this agent never reads: they are not "unresolved" GPUs.
+_GPU_RESOURCE_PREFIXES = ("nvidia.com/gpu", "nvidia.com/mig-", "amd.com/gpu")
+
+
+def _plugin_gpu_resources(rows: Iterable[AllocationView]) -> set[str]:
+    """Device-plugin resources that hold GPUs: the vendors' GPU resource names, and any
+    resource (a renamed or time-sliced one) with a device that resolved to a local GPU."""
+    return {
+        r.driver
+        for r in rows
+        if r.source == "device-plugin" and (r.driver.startswith(_GPU_RESOURCE_PREFIXES) or r.uuid)
+    }
 
 
 def _unresolved_counts(

@@ -24,7 +24,7 @@ import structlog
 
 from ..config import Config
 from ..health.engine import HealthPolicy
-from .scenario import PodSpec, Scenario, ScenarioError, default_scenario, load_scenario
+from .scenario import PodSpec, Scenario, ScenarioError, default_scenario, find_scenario, load_scenario
 
 log = structlog.get_logger(__name__)
 
@@ -142,23 +142,52 @@ def _mmss(t: float) -> str:
     return f"{int(t // 60):02d}:{int(t % 60):02d}"
 
 
-def summary_line(agent, cluster: DemoCluster) -> str:
+def summary_line(agent, cluster: DemoCluster, hold: float = DEMO_HOLD) -> str:
     snap = agent.snapshot
     if snap is None:
         return "no data yet"
     t = cluster.clock.now()
     down = sum(1 for d in snap.devices if not d.up)
-    unhealthy = [d for d in snap.devices if not d.health.healthy and not d.identity.is_partition]
-    conds = "; ".join(
-        f"{d.uuid[:12]} {d.health.worst.value}: {','.join(sorted({c.reason for c in d.health.conditions}))}" for d in unhealthy
-    ) or "none"
+    # Conditions from the health engine itself, not the last cycle's snapshot: a fault's rule
+    # is written on the event, before the next cycle shows the condition.
     rem = agent.src.remediation
-    taints = ", ".join(f"{r.device}={r.effect}" for r in rem.rule_views()) if rem else "off"
+    rules = rem.rule_views() if rem else ()
+    health = agent.health.all_health()
+    parents = {d.uuid: d.identity.parent_uuid for d in snap.devices if d.identity.is_partition}
+    conds = []
+    for d in snap.devices:
+        h = health.get(d.uuid)
+        reasons = {c.reason for c in h.conditions} if h else set()
+        if not reasons:
+            continue
+        parent = health.get(parents.get(d.uuid, ""))
+        if parent is not None and reasons <= {c.reason for c in parent.conditions}:
+            continue  # a MIG instance inherits its GPU's conditions: shown once, on the GPU
+        conds.append(f"{d.uuid[:12]} {h.worst.value}: {','.join(sorted(reasons))}")
+    # A rule outlives its condition by the hold time (hysteresis): say so, rather than show
+    # "conditions: none" beside a NoExecute taint.
+    names = _device_uuids(cluster.sc)
+    for r in rules:
+        uuid = names.get(r.device, "")
+        h = health.get(uuid) or health.get(parents.get(uuid, ""))
+        if uuid and not (h and h.conditions):
+            conds.append(f"{uuid[:12]} ({r.device}) recovered, {r.device}={r.effect} held until {hold:g}s healthy")
+    taints = ", ".join(f"{r.device}={r.effect}" for r in rules) if rem else "off"
     bad_claims = sum(1 for c in snap.claims if not c.healthy)
     return (
         f"[sim {_mmss(t)}] devices {len(snap.devices)} ({down} down) | pods {len({(a.namespace, a.pod) for a in snap.allocations})} | "
-        f"claims {len(snap.claims)} ({bad_claims} unhealthy) | conditions: {conds} | taints: {taints or 'none'}"
+        f"claims {len(snap.claims)} ({bad_claims} unhealthy) | conditions: {'; '.join(conds) or 'none'} | taints: {taints or 'none'}"
     )
+
+
+def _device_uuids(sc: Scenario) -> dict[str, str]:
+    """DRA device name -> UUID for the scenario's GPUs and MIG instances."""
+    out = {}
+    for g in sc.gpus:
+        out[g.device_name] = g.uuid
+        for m in g.mig:
+            out[g.mig_device_name(m)] = m.uuid
+    return out
 
 
 def run_demo(cfg: Config, stop: threading.Event | None = None) -> int:
@@ -167,7 +196,7 @@ def run_demo(cfg: Config, stop: threading.Event | None = None) -> int:
     from ..wiring import build_agent
 
     try:
-        scenario = load_scenario(cfg.scenario) if cfg.scenario else default_scenario()
+        scenario = load_scenario(find_scenario(cfg.scenario)) if cfg.scenario else default_scenario()
     except ScenarioError as e:
         print(f"dra-gpu-exporter: error: {e}", file=sys.stderr)
         return 2
@@ -206,9 +235,10 @@ def run_demo(cfg: Config, stop: threading.Event | None = None) -> int:
             flush=True,
         )
         period = max(5.0, 60.0 / cfg.time_scale)
-        print(summary_line(agent, cluster), flush=True)
+        hold = acfg.taint_hold_seconds
+        print(summary_line(agent, cluster, hold), flush=True)
         while not waiter.wait(period):
-            print(summary_line(agent, cluster), flush=True)
+            print(summary_line(agent, cluster, hold), flush=True)
         return 0
     except OSError as e:
         print(f"dra-gpu-exporter: error: {e}", file=sys.stderr)

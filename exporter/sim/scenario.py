@@ -611,5 +611,17 @@ def bundled_scenarios() -> dict[str, Path]:
     return {p.stem: p for p in sorted(BUNDLED.glob("*.yaml"))}
 
 
+def find_scenario(value: str) -> Path:
+    """A scenario file's path, or a bundled scenario's by its name (as --list-scenarios
+    prints it); a file of that name wins, as a path on the command line should."""
+    p = Path(value)
+    if p.is_file():
+        return p
+    bundled = bundled_scenarios()
+    if value in bundled:
+        return bundled[value]
+    raise ScenarioError(f"--scenario {value}: no such file, and no bundled scenario of that name (bundled: {', '.join(bundled)})")
+
+
 def default_scenario() -> Scenario:
     return load_scenario(BUNDLED / "mixed-node.yaml")
