@@ -262,3 +262,29 @@ def test_a_scrapers_keep_alive_connection_outlives_an_idle_connection_flood():
         for x in socks:
             x.close()
         s.stop()
+
+
+def test_a_probe_that_blocks_fails_itself_and_nothing_else():
+    """A liveness check stuck on a lock (a wedged sampler) answers 503 after the probe timeout;
+    /metrics and /readyz keep being served meanwhile."""
+    import threading
+
+    gate = threading.Event()
+
+    def stuck() -> tuple[bool, str]:
+        gate.wait(60)
+        return True, "ok"
+
+    s = MetricsServer("127.0.0.1", 0, lambda: (True, "ready"), liveness=stuck)
+    s.publish(exposition())
+    s.start()
+    try:
+        status, _, body = request(s, path="/healthz")
+        assert status == 503 and b"did not answer" in body
+        assert request(s)[0] == 200
+        assert request(s, path="/readyz")[0] == 200  # its own thread: not queued behind liveness
+        for _ in range(6):  # more than the queue: answered at once as busy, never piling up
+            assert request(s, path="/healthz")[0] == 503
+    finally:
+        gate.set()
+        s.stop()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-import hmac
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -159,6 +159,11 @@ class MetricsServer:
         self._tls = ReloadingContext(self.web_config.tls) if self.web_config.tls else None
         self._auth = _BasicAuth(self.web_config.basic_auth_users) if self.web_config.basic_auth_users else None
         self._extra_headers = list(self.web_config.headers)
+        # Probe callables run on their own thread: one that blocks (a lock held by a stuck
+        # sampler) must make its probe fail, not freeze the event loop and every scrape with it.
+        # One thread each, so a stuck readiness check does not fail liveness and the reverse.
+        self._probe_pools = {p: ThreadPoolExecutor(max_workers=1, thread_name_prefix="http-probe") for p in PROBES}
+        self._probe_slots = {p: threading.BoundedSemaphore(self.PROBES_QUEUED) for p in PROBES}  # submitted, not finished
         sock = bind(host, port)
         self._host = host
         self._http = HttpServer(sock, self._handle, limits or Limits(), tls=self._tls.current if self._tls else None)
@@ -220,6 +225,8 @@ class MetricsServer:
 
     def stop(self) -> None:
         self._http.stop()
+        for pool in self._probe_pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
         if self._auth is not None:
             self._auth.close()
 
@@ -237,7 +244,7 @@ class MetricsServer:
         if req.method not in ("GET", "HEAD"):
             return Response(405, b"method not allowed\n", [("Content-Type", _TEXT), ("Allow", "GET, HEAD")])
         if path in PROBES:
-            return self._probe(self.liveness if path == "/healthz" else self.readiness, path)
+            return await self._probe(self.liveness if path == "/healthz" else self.readiness, path)
         if self._auth is not None:
             ok = await self._auth.allowed(req.headers.get("authorization"))
             if ok is None:
@@ -265,15 +272,28 @@ class MetricsServer:
             headers.append(("Content-Encoding", "gzip"))
         return Response(200, body, headers)
 
-    @staticmethod
-    def _probe(probe: Probe | None, path: str) -> Response:
+    PROBE_TIMEOUT = 2.0
+    PROBES_QUEUED = 4
+
+    async def _probe(self, probe: Probe | None, path: str) -> Response:
+        what = "readiness" if path == "/readyz" else "liveness"
         if probe is None:
             ok, reason = True, "ok"
+        elif not (slots := self._probe_slots[path]).acquire(blocking=False):
+            ok, reason = False, f"{what} check did not answer: {self.PROBES_QUEUED} earlier checks still running"
         else:
             try:
-                ok, reason = probe()
+                job = self._probe_pools[path].submit(probe)
+            except RuntimeError:  # stopping
+                slots.release()
+                return Response(503, b"stopping\n", [("Content-Type", _TEXT)])
+            job.add_done_callback(lambda _: slots.release())  # when it really ends
+            try:
+                ok, reason = await asyncio.wait_for(asyncio.wrap_future(job), self.PROBE_TIMEOUT)
+            except (TimeoutError, asyncio.TimeoutError):
+                ok, reason = False, f"{what} check did not answer within {self.PROBE_TIMEOUT:.0f}s"
             except Exception as e:  # a broken probe must say so, not crash the server
-                ok, reason = False, f"{'readiness' if path == '/readyz' else 'liveness'} check failed: {e}"
+                ok, reason = False, f"{what} check failed: {e}"
         return Response(200 if ok else 503, (reason.rstrip() + "\n").encode(), [("Content-Type", _TEXT)])
 
 

@@ -23,8 +23,8 @@ The bounds, all in ``Limits``:
   head limit, writes in ``WRITE_CHUNK`` slices each drained before the next;
 - the event loop thread's CPU is held to ``cpu_share`` of one core by a governor that makes
   the loop sleep when it has used more, so a flood cannot take the CPU from device reads.
-Everything runs on one thread (plus one for bcrypt, see server.py); memory and threads stay
-flat whatever clients do.
+Everything runs on one thread (plus one per probe check and one for bcrypt, see server.py);
+memory and threads stay flat whatever clients do.
 """
 
 from __future__ import annotations
