@@ -191,8 +191,9 @@ def test_idle_slow_and_oversized_clients_do_not_take_the_agent_down(agent):
             body = get(port, "/metrics")[1]
             idle = value(body, "dra_gpu_exporter_http_timeouts_total", phase="idle") or 0
             evicted = value(body, "dra_gpu_exporter_http_connections_rejected_total", reason="evicted") or 0
+            refused = value(body, "dra_gpu_exporter_http_connections_rejected_total", reason="refused") or 0
             oversized = value(body, "dra_gpu_exporter_http_requests_total", code="431") or 0
-            return idle + evicted >= IDLE // 2 and oversized >= 1 and body
+            return idle + evicted + refused >= IDLE // 2 and oversized >= 1 and body
         body = wait_for(counted, 60, "the attack counted in the self-metrics", proc)
         assert value(body, "dra_gpu_exporter_http_connection_limit") < FD_LIMIT
         # and a handful of log lines, not one per client (rate-limited, no tracebacks)

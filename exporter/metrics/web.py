@@ -184,7 +184,7 @@ class HttpServer:
         self._conns: dict[int, _Conn] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
-        self._server: asyncio.AbstractServer | None = None
+        self._behind = False  # the last accept batch was full: connections are queueing
         self._large_writers = asyncio.Semaphore(LARGE_WRITERS)
         # counters (read by other threads for self-metrics; ints under the GIL)
         self.refused = 0
@@ -201,12 +201,14 @@ class HttpServer:
             asyncio.set_event_loop(self.loop)
 
             async def open_server() -> None:
-                # asyncio accepts up to ``backlog`` connections per loop iteration before any
-                # is admitted, so that number bounds the descriptors in flight; the kernel's
-                # queue behind it is made long (as Go servers do) so a burst of connections
-                # waits there, costing us nothing, instead of being half-open and dropped.
-                self._server = await self.loop.create_server(lambda: _Protocol(self), sock=self.sock, backlog=ACCEPT_BATCH)
+                # Our own accept loop (not loop.create_server): at the ceiling it can refuse a
+                # connection for the price of accept + peek + close, before any transport exists.
+                # The kernel's queue in front is long (as Go servers make it), so a burst waits
+                # there instead of being dropped half-open; ACCEPT_BATCH bounds the descriptors
+                # accepted per loop iteration.
+                self.sock.setblocking(False)
                 self.sock.listen(LISTEN_BACKLOG)
+                self.loop.add_reader(self.sock.fileno(), self._on_accept)
                 self.loop.call_soon(self._govern, time.thread_time(), time.monotonic())
                 started.set()
 
@@ -232,8 +234,7 @@ class HttpServer:
             return
 
         def halt() -> None:
-            if self._server is not None:
-                self._server.close()
+            self.loop.remove_reader(self.sock.fileno())
             self.loop.stop()
 
         self.loop.call_soon_threadsafe(halt)
@@ -246,6 +247,38 @@ class HttpServer:
         return len(self._conns)
 
     # -- bounds ------------------------------------------------------------------------------
+    def _on_accept(self) -> None:
+        n = 0
+        for n in range(1, ACCEPT_BATCH + 1):
+            try:
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                n -= 1
+                break
+            except OSError as e:  # out of descriptors or buffers: pause accepting, do not spin
+                self.client_log("http_accept_failed", error=_short(e))
+                fd = self.sock.fileno()
+                self.loop.remove_reader(fd)
+                self.loop.call_later(0.1, self.loop.add_reader, fd, self._on_accept)
+                return
+            conn.setblocking(False)
+            if self._behind and len(self._conns) >= self.max_connections and not _has_data(conn):
+                # Behind (the kernel queue is not empty) and full: a connection that waited in
+                # the queue and still sent nothing is an idle one; a scraper's request would be
+                # there by now. Closing it here costs microseconds; admitting it would cost a
+                # transport, a task and an eviction, and the queue would never drain.
+                conn.close()
+                self.refused += 1
+                continue
+            self.loop.create_task(self._connect(conn))
+        self._behind = n >= ACCEPT_BATCH
+
+    async def _connect(self, conn: socket.socket) -> None:
+        try:
+            await self.loop.connect_accepted_socket(lambda: _Protocol(self), sock=conn)
+        except OSError:
+            conn.close()
+
     def _admit(self, transport: asyncio.BaseTransport) -> bool:
         if len(self._conns) >= self.max_connections:
             waiting = [c for c in self._conns.values() if c.waiting]
@@ -416,6 +449,15 @@ class HttpServer:
             self._timeout("write")
             writer.transport.abort()
             raise ConnectionError("write timed out") from None
+
+
+def _has_data(conn: socket.socket) -> bool:
+    try:
+        return bool(conn.recv(1, socket.MSG_PEEK))
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return False  # reset already
 
 
 def _wants_close(req: Request) -> bool:
