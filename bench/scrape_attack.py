@@ -87,6 +87,7 @@ def _attacker(host: str, port: int, idle: int, slow: int, bombs: int, stop: "mp.
             open_one(kind)
     last_dribble = 0.0
     to_reopen: list[str] = []
+    tokens, last = 0.0, time.monotonic()
     while not stop.is_set():
         for key, _ in sel.select(timeout=0.2):
             s = key.fileobj
@@ -98,9 +99,13 @@ def _attacker(host: str, port: int, idle: int, slow: int, bombs: int, stop: "mp.
             sel.unregister(s)
             to_reopen.append(kinds.pop(s))
             s.close()
-        for kind in to_reopen[: REOPEN_PER_SECOND // 5]:
+        now = time.monotonic()
+        tokens, last = min(REOPEN_PER_SECOND / 5, tokens + (now - last) * REOPEN_PER_SECOND), now
+        k = min(len(to_reopen), int(tokens))
+        for kind in to_reopen[:k]:
             open_one(kind)
-        del to_reopen[: REOPEN_PER_SECOND // 5]
+        del to_reopen[:k]
+        tokens -= k
         now = time.monotonic()
         if now - last_dribble >= 1.0:
             last_dribble = now
