@@ -31,6 +31,7 @@ RUN apt-get update \
 RUN python3 -m venv /opt/pip-venv
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# Only the product: the simulator (drasim/, behind `dra-gpu-exporter demo`) stays out of the image.
 COPY exporter ./exporter
 # --target: a plain directory of packages, importable with PYTHONPATH and free of any interpreter
 # path (a venv would hard-code the builder's). The [amd] extra is pure Python; it loads the host's

@@ -46,9 +46,9 @@ def main() -> None:
     interpreter_mb = rss_mb()
 
     from exporter.config import Config, TaintMode
-    from exporter.devices.sim import SimBackend, SimClock
+    from drasim.backend import SimBackend, SimClock
     from exporter.logs import configure
-    from exporter.sim.scenario import parse_scenario
+    from drasim.scenario import parse_scenario
     from exporter.wiring import build_agent
 
     configure("json", "error")

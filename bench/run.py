@@ -1,4 +1,4 @@
-"""Benchmarks against PRODUCT.md's performance targets. Not tests: numbers, printed as a table.
+"""Benchmarks for the README's Performance section. Not tests: numbers, printed as a table.
 
     python bench/run.py [scrape] [cycle] [nvml] [xid] [soak] [series]   (default: all)
     python bench/run.py soak --cycles 10000
@@ -26,10 +26,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from exporter.config import Config, TaintMode  # noqa: E402
-from exporter.devices.sim import SimBackend, SimClock  # noqa: E402
+from drasim.backend import SimClock  # noqa: E402
 from exporter.health.engine import HealthPolicy  # noqa: E402
 from exporter.logs import configure  # noqa: E402
-from exporter.sim.scenario import parse_scenario  # noqa: E402
+from drasim.scenario import parse_scenario  # noqa: E402
 
 RESULTS: dict = {}
 
@@ -68,8 +68,7 @@ class Node:
     """A simulated node with the real agent wired to an in-process kubelet and API server."""
 
     def __init__(self, scenario: dict, interval: float = 1.0, taint_mode: TaintMode = TaintMode.ENFORCE, time_scale: float = 1.0, policy: HealthPolicy | None = None, hold: float = 1800.0) -> None:
-        from exporter.sim.demo import DemoCluster
-        from exporter.wiring import build_agent
+        from drasim.demo import DemoCluster
 
         self.sc = parse_scenario(scenario)
         self.clock = SimClock(time_scale)
@@ -87,15 +86,15 @@ class Node:
             taint_mode=taint_mode,
             taint_hold_seconds=hold,
         )
-        self.backend = SimBackend(self.sc, self.clock)
-        self.agent = build_agent(cfg, backend=self.backend, clock=self.clock.epoch, health_policy=policy, remediation_resync=1.0)
+        # The one simulated-node rig (drasim.node.SimulatedNode, under the demo's cluster) builds the agent.
+        self.backend = self.cluster.backend
+        self.agent = self.cluster.build_agent(cfg, health_policy=policy, remediation_resync=1.0)
 
     def start(self, serve: bool = True) -> None:
         self.agent.start(serve=serve)
 
     def stop(self) -> None:
-        self.agent.stop()
-        self.cluster.stop()
+        self.cluster.stop()  # the agent first, then the kubelet and the API server
 
 
 # --------------------------------------------------------------------------- scrape
@@ -323,7 +322,7 @@ def bench_soak(cycles: int = 10000, cpu_seconds: float = 30.0) -> None:
     the kubelet and API emulations it talks to."""
     import subprocess
 
-    from exporter.sim.demo import DemoCluster
+    from drasim.demo import DemoCluster
 
     sc = big_scenario(pods=32, claims=32)
     sc["gpus"] = sc["gpus"][:8]
@@ -385,7 +384,7 @@ def bench_series() -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="Benchmarks against PRODUCT.md's performance targets.")
+    ap = argparse.ArgumentParser(description="Benchmarks for the README's Performance section.")
     ap.add_argument("which", nargs="*", metavar="BENCH", help="scrape, scrape-attack, cycle, nvml, xid, soak, series (default: all but scrape-attack)")
     ap.add_argument("--cycles", type=int, default=10000, help="soak: cycles between the two RSS readings")
     ap.add_argument("--requests", type=int, default=2000, help="scrape: requests per concurrency level")

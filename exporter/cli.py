@@ -6,6 +6,8 @@ import os
 import signal
 import sys
 import threading
+from importlib.metadata import entry_points
+from typing import Protocol, cast
 
 import structlog
 
@@ -19,6 +21,37 @@ log = structlog.get_logger("exporter")
 def _fail(msg: str, code: int = 2) -> int:
     print(f"dra-gpu-exporter: error: {msg}", file=sys.stderr)
     return code
+
+
+# The simulator (package ``drasim``) is a separate package of the same distribution that depends on
+# the product, never the reverse: it registers the ``demo`` subcommand under this entry-point group
+# and the product finds it by name. The container image leaves the simulator out.
+DEMO_GROUP = "dra_gpu_exporter.commands"
+
+
+class DemoCommand(Protocol):
+    """What the ``demo`` entry point provides (``drasim.demo``)."""
+
+    def list_scenarios(self) -> int: ...
+
+    def run_demo(self, cfg: Config) -> int: ...
+
+
+def load_demo() -> DemoCommand | str:
+    """The registered ``demo`` command, or why there is none (one line for the user)."""
+    found = entry_points(group=DEMO_GROUP, name="demo")
+    if not found:
+        return (
+            "the demo needs the simulator package (drasim), which this installation does not register; "
+            "install dra-gpu-exporter with pip (the container image leaves the simulator out), "
+            "or in a source checkout re-run `pip install -e .`"
+        )
+    ep = next(iter(found))
+    try:
+        return cast(DemoCommand, ep.load())
+    except ImportError as e:
+        return f"the demo needs the simulator package (drasim), which is not installed here ({e}); the container image leaves it out: run the demo from `pip install dra-gpu-exporter`"
+
 
 
 # The DaemonSet's terminationGracePeriodSeconds is 10: the process must be gone before the
@@ -52,21 +85,21 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parser = build_parser()
     ns = parser.parse_args(argv)
-    if getattr(ns, "list_scenarios", False):
-        from .sim.scenario import bundled_scenarios
-
-        for name, path in bundled_scenarios().items():
-            print(f"{name}\t{path}")
-        return 0
+    demo: DemoCommand | None = None
+    if ns.command == "demo":
+        found = load_demo()
+        if isinstance(found, str):
+            return _fail(found)
+        demo = found
+        if getattr(ns, "list_scenarios", False):
+            return demo.list_scenarios()
     try:
         cfg = resolve(ns)
     except ConfigError as e:
         return _fail(str(e))
     configure(cfg.log_format, cfg.log_level)
-    if ns.command == "demo":
-        from .sim.demo import run_demo
-
-        return run_demo(cfg)
+    if demo is not None:
+        return demo.run_demo(cfg)
     return run_agent(cfg)
 
 

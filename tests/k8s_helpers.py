@@ -11,18 +11,15 @@
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, TypeVar
 
-import yaml
 from kubernetes import client
 
-from exporter.sim import objects
-from exporter.sim.apiserver import FakeApiServer
-from exporter.sim.scenario import Scenario
+from drasim.apiserver import FakeApiServer
+from drasim.node import publish_scenario, write_kubeconfig  # noqa: F401 - re-exported: one definition, in the rig
+from kit_helpers import wait_until  # noqa: F401 - re-exported: one definition, in the test kit
 
 T = TypeVar("T")
 
@@ -38,32 +35,6 @@ def running_apiserver(version: str = "1.37", **kwargs: Any) -> Iterator[FakeApiS
         server.stop()
 
 
-def publish_scenario(server: FakeApiServer, sc: Scenario) -> None:
-    """Store what the cluster holds for a scenario's node: the Node, its ResourceSlice, the
-    claims and the pods (all of them, as if every pod were running)."""
-    server.apply(objects.node(sc))
-    server.apply(objects.resource_slice(sc))
-    for c in objects.resource_claims(sc, list(sc.pods)):
-        server.apply(c)
-    for pod in sc.pods:
-        server.apply(objects.pod_object(sc, pod))
-
-
-def write_kubeconfig(path: str | Path, url: str, token: str = "test-token",
-                     namespace: str = "default", context: str = "fake") -> Path:
-    """A kubeconfig with one cluster/user/context pointing at `url` with a bearer token."""
-    path = Path(path)
-    doc = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": context, "cluster": {"server": url}}],
-        "users": [{"name": context, "user": {"token": token}}],
-        "contexts": [{"name": context, "context": {"cluster": context, "user": context,
-                                                   "namespace": namespace}}],
-        "current-context": context,
-    }
-    path.write_text(yaml.safe_dump(doc))
-    return path
 
 
 def api_client(url: str, token: str | None = None) -> client.ApiClient:
@@ -97,15 +68,3 @@ def call_json(api: client.ApiClient, method: str, path: str, query: dict[str, An
         return resp.status, data.decode("utf-8", errors="replace")
 
 
-def wait_until(predicate: Callable[[], T], timeout: float = 10.0, interval: float = 0.01,
-               message: str = "condition") -> T:
-    """Poll `predicate` until it returns something truthy (which is returned), or fail the
-    test after `timeout` seconds. A deadline, not a sleep: it returns as soon as it can."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
-        time.sleep(interval)

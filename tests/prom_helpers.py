@@ -2,7 +2,8 @@
 
 Usage (pytest)::
 
-    from prom_helpers import PROMETHEUS, start_prometheus, wait_until
+    from prom_helpers import PROMETHEUS, start_prometheus
+    from kit_helpers import wait_until
 
     @pytest.mark.skipif(PROMETHEUS is None, reason=NO_PROMETHEUS_REASON)
     def test_x(tmp_path):
@@ -20,86 +21,28 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-import socket
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Iterator, Sequence
 
 import yaml
+from kit_helpers import fetch, free_port, stop_process, wait_until  # noqa: F401 - re-exported for prom tests
 
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 NO_PROMETHEUS_REASON = "prometheus binary not found: install Debian's `prometheus` package (CI does)"
 
-T = TypeVar("T")
-
-
 class PrometheusError(RuntimeError):
     """The server did not start, or an API call failed (the message carries the server's error)."""
 
 
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago (the caller retries if it gets taken)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
-def stop_process(proc: subprocess.Popen, timeout: float = 15.0) -> int:
-    """Ctrl-C a process (the demo cleans up on SIGINT), kill it if it does not end in
-    ``timeout`` seconds; its exit code."""
-    proc.send_signal(signal.SIGINT)
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
-
-
-def wait_until(
-    check: Callable[[], T | None],
-    timeout: float,
-    interval: float = 0.2,
-    what: str = "condition",
-    fatal: tuple[type[BaseException], ...] = (),
-) -> T:
-    """Poll ``check`` until it returns a truthy value and return that value.
-
-    Exceptions from ``check`` count as "not yet" (a server that is still starting refuses
-    connections) unless they are instances of ``fatal``, which propagate at once; the last
-    non-fatal one is reported if the deadline passes.
-    """
-    deadline = time.monotonic() + timeout
-    last_error: BaseException | None = None
-    while True:
-        try:
-            value = check()
-            if value:
-                return value
-        except fatal:
-            raise
-        except Exception as exc:  # noqa: BLE001 - polling: any failure means "not yet"
-            last_error = exc
-        if time.monotonic() >= deadline:
-            detail = f" (last error: {last_error!r})" if last_error else ""
-            raise TimeoutError(f"{what} not reached within {timeout:.0f}s{detail}")
-        time.sleep(interval)
-
-
-def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
-    """GET a URL; return (status, body) for any HTTP status instead of raising on 4xx/5xx."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - loopback only
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
 
 
 @dataclass
@@ -116,7 +59,7 @@ class PrometheusServer:
     def api(self, path: str, **params: str | Sequence[str]) -> Any:
         """Call /api/v1/<path>; return ``data`` or raise PrometheusError with the server's error."""
         query = urllib.parse.urlencode(params, doseq=True)
-        status, body = http_get(f"{self.url}/api/v1/{path}?{query}")
+        status, body = fetch(f"{self.url}/api/v1/{path}?{query}")
         try:
             payload = json.loads(body)
         except ValueError as exc:
@@ -176,14 +119,14 @@ class PrometheusServer:
             return targets if targets and all(t["health"] == "up" for t in targets) else None
 
         try:
-            return wait_until(all_up, timeout, what="all scrape targets up")
+            return wait_until(all_up, timeout, interval=0.2, message="all scrape targets up", ignore=(Exception,))
         except TimeoutError as exc:
             states = [(t["scrapeUrl"], t["health"], t.get("lastError")) for t in self._safe_targets()]
             raise TimeoutError(f"{exc}; targets: {states}; log tail: {self.log_tail()}") from exc
 
     def wait_for_query(self, expr: str, timeout: float = 20.0) -> list[dict[str, Any]]:
         """Wait until an instant query returns a non-empty result; return it."""
-        return wait_until(lambda: self.query(expr), timeout, what=f"data for {expr!r}")
+        return wait_until(lambda: self.query(expr), timeout, interval=0.2, message=f"data for {expr!r}", ignore=(Exception,))
 
     def _safe_targets(self) -> list[dict[str, Any]]:
         try:
@@ -303,10 +246,10 @@ def start_prometheus(
         def ready(c: PrometheusServer = candidate) -> bool:
             if c.process.poll() is not None:
                 raise PrometheusError(f"prometheus exited with {c.process.returncode}")
-            return http_get(f"{c.url}/-/ready", timeout=2)[0] == 200
+            return fetch(f"{c.url}/-/ready", timeout=2)[0] == 200
 
         try:
-            wait_until(ready, startup_timeout, what="prometheus /-/ready", fatal=(PrometheusError,))
+            wait_until(ready, startup_timeout, interval=0.2, message="prometheus /-/ready", ignore=(Exception,), fatal=(PrometheusError,))
         except (TimeoutError, PrometheusError) as exc:
             last_error = f"{exc}; log: {candidate.log_tail()}"
             candidate.stop()

@@ -9,36 +9,23 @@ results are read back over HTTP from the agent's own /metrics and /readyz.
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
-import urllib.error
-import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-from k8s_helpers import publish_scenario, wait_until, write_kubeconfig
+from kit_helpers import fetch, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.agent import Agent
-from exporter.config import Config, TaintMode
-from exporter.devices.sim import SimBackend, SimClock
-from exporter.sim import objects
-from exporter.sim.apiserver import FakeApiServer
-from exporter.sim.kubelet import FakeKubelet
-from exporter.sim.scenario import Scenario, bundled_scenarios, default_scenario, load_scenario, parse_scenario
-from exporter.wiring import build_agent
+from exporter.config import TaintMode
+from drasim.backend import SimClock
+from drasim.node import SimulatedNode
+from drasim import objects
+from drasim.apiserver import FakeApiServer
+from drasim.kubelet import FakeKubelet
+from drasim.scenario import Scenario, bundled_scenarios, default_scenario, load_scenario, parse_scenario
 
 # ------------------------------------------------------------------ helpers
-
-
-def fetch(url: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 class Scrape:
@@ -87,42 +74,18 @@ class Node:
 def simulated_node(sc: Scenario, *, start_kubelet: bool = True, t: float = 0.0, scale: float = 1e-6, api_setup=None, **cfg_kw):
     """The agent on a simulated node. Simulated time starts at ``t`` and runs ``scale`` times
     faster than real time (the default barely moves: tests pick the moment they look at)."""
-    # a short directory: unix socket paths are limited to 107 bytes
-    tmp = Path(tempfile.mkdtemp(prefix="dra-iso-"))
-    sock = str(tmp / "kubelet.sock")
-    kubelet = FakeKubelet(sock, qps=None)
-    api = FakeApiServer("1.37", bookmark_interval=0.2)
-    agent = None
-    try:
-        url = api.start()
-        publish_scenario(api, sc)
-        kubelet.set_pods(objects.kubelet_pods(sc, list(sc.pods)))
-        if start_kubelet:
-            kubelet.start()
-        if api_setup is not None:
-            api_setup(api)
-        kw = dict(
-            listen_host="127.0.0.1", listen_port=0, node_name=sc.node, kubelet_socket=sock,
-            kubeconfig=str(write_kubeconfig(tmp / "kubeconfig", url)), interval=3600.0, call_timeout=1.0,
-            taint_mode=TaintMode.OFF,
-        )
+    with SimulatedNode(sc, SimClock(scale=scale, start_offset=t), bookmark_interval=0.2, kubelet_qps=None) as node:
+        node.start(start_kubelet=start_kubelet, api_setup=api_setup)
+        kw = dict(interval=3600.0, call_timeout=1.0, taint_mode=TaintMode.OFF)
         kw.update(cfg_kw)
-        clock = SimClock(scale=scale, start_offset=t)
-        agent = build_agent(Config(**kw), backend=SimBackend(sc, clock), clock=clock.epoch, remediation_resync=0.2)
-        agent.start()
-        wait_until(lambda: agent.src.slices.synced, timeout=10, message="ResourceSlices listed")
-        yield Node(agent, kubelet, api, sc, sock)
-    finally:
-        if agent is not None:
-            agent.stop()
-        kubelet.stop()
-        api.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        agent = node.start_agent(remediation_resync=0.2, **kw)
+        wait_until(lambda: agent.src.slices.synced, timeout=60, message="ResourceSlices listed")
+        yield Node(agent, node.kubelet, node.api, sc, node.socket)
 
 
 def with_faults(sc: Scenario, *faults: dict) -> Scenario:
     """The scenario with extra faults (``{"kind": ..., "gpu": ..., "at": ...}``)."""
-    from exporter.sim.scenario import Fault
+    from drasim.scenario import Fault
 
     extra = tuple(Fault(kind=f["kind"], gpu=f["gpu"], at=f.get("at", 0.0), until=f.get("until"), code=f.get("code", 0)) for f in faults)
     return dataclasses.replace(sc, faults=tuple(sorted(sc.faults + extra, key=lambda f: f.at)))

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from pathlib import Path
-from typing import Callable
 
 import pytest
+from kit_helpers import wait_until
 
 from exporter.devices.amd import (
     AmdSmiBackend,
@@ -31,16 +30,6 @@ GPU0 = "11111111-0000-1000-8000-000000000000"
 GPU1 = "22222222-0000-1000-8000-000000000000"
 CPX = "33333333-0000-1000-8000-"  # + 12 hex digits per partition
 
-
-def wait_until(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
-    """Poll ``pred`` until true or the deadline passes (for state with no event to await)."""
-    deadline = time.monotonic() + timeout
-    tick = threading.Event()
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        tick.wait(0.005)
-    return True
 
 
 @pytest.fixture(scope="session")

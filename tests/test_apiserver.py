@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 from k8s_helpers import api_client, call_json, running_apiserver, wait_until, write_kubeconfig
 from kubernetes import client, config, watch
 
-from exporter.sim.apiserver import FakeApiServer
-from exporter.sim.apiserver_catalog import ResourceType
-from exporter.sim.apiserver_convert import from_version, to_version
-from exporter.sim.apiserver_patch import PatchError, json_patch, merge_patch
-from exporter.sim.apiserver_selectors import Selector, parse_label_selector
+from drasim.apiserver import FakeApiServer
+from drasim.apiserver_catalog import ResourceType
+from drasim.apiserver_convert import from_version, to_version
+from drasim.apiserver_patch import PatchError, json_patch, merge_patch
+from drasim.apiserver_selectors import Selector, parse_label_selector
 
 DRA = "resource.k8s.io"
 

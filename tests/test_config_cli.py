@@ -26,7 +26,7 @@ from exporter.config import (
     parse_listen,
     resolve,
 )
-from exporter.sim.scenario import bundled_scenarios
+from drasim.scenario import bundled_scenarios
 
 
 @pytest.fixture(autouse=True)
@@ -385,7 +385,7 @@ def test_demo_takes_its_own_backend(backend):
 
 
 def test_demo_scenario_by_bundled_name():
-    from exporter.sim.scenario import find_scenario
+    from drasim.scenario import find_scenario
 
     c = cfg("demo", "--scenario", "small-node")
     assert c.scenario == "small-node"
@@ -401,7 +401,7 @@ def test_demo_unknown_scenario_name_lists_the_bundled_ones(capsys, tmp_path, mon
 
 
 def test_a_file_wins_over_a_bundled_name(tmp_path, monkeypatch):
-    from exporter.sim.scenario import find_scenario
+    from drasim.scenario import find_scenario
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "small-node").write_text("gpus: [{name: a}]\n")

@@ -29,7 +29,7 @@ from prom_helpers import (  # tests/ is on sys.path
     PROMETHEUS,
     PrometheusServer,
     free_port,
-    http_get,
+    fetch,
     start_prometheus,
     wait_until,
 )
@@ -224,15 +224,18 @@ def prom(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PrometheusS
         def demo_ready() -> bool:
             if proc.poll() is not None:
                 raise RuntimeError(f"demo exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
-            return http_get(f"http://127.0.0.1:{port}/readyz", timeout=2)[0] == 200
+            return fetch(f"http://127.0.0.1:{port}/readyz", timeout=2)[0] == 200
 
         try:
-            wait_until(demo_ready, 30, what="demo /readyz", fatal=(RuntimeError,))
+            wait_until(demo_ready, 60, interval=0.2, message="demo /readyz", ignore=(Exception,), fatal=(RuntimeError,))
             server.wait_for_targets_up()
             # The fault, and enough samples for rate windows.
-            server.wait_for_query('count(max_over_time(gpu_health_condition{tier="fatal"}[5m])) > 0', timeout=30)
-            server.wait_for_query('gpu_xid_errors_total{xid="79"}', timeout=30)
-            server.wait_for_query('count_over_time(up{job="dra-gpu-exporter"}[5m]) >= 8', timeout=30)
+            server.wait_for_query('count(max_over_time(gpu_health_condition{tier="fatal"}[5m])) > 0', timeout=60)
+            server.wait_for_query('gpu_xid_errors_total{xid="79"}', timeout=60)
+            server.wait_for_query('count_over_time(up{job="dra-gpu-exporter"}[5m]) >= 8', timeout=60)
+            # rate() needs two samples: the lost GPU's read-error counter appears with the fault,
+            # so wait for its second scrape instead of hoping the panels run late enough.
+            server.wait_for_query('count_over_time(gpu_read_errors_total[5m]) >= 2', timeout=60)
             yield server, start
         finally:
             proc.terminate()
@@ -331,7 +334,7 @@ def test_alert_rules_evaluate_cleanly_on_demo_data(prom: Any) -> None:
         rules = server.rules()
         return rules if rules and all(r.get("lastEvaluation", "").startswith("20") for r in rules) else None
 
-    rules = wait_until(evaluated, 15, what="every alert rule evaluated once")
+    rules = wait_until(evaluated, 60, interval=0.2, message="every alert rule evaluated once", ignore=(Exception,))
     names = {r["name"] for r in rules}
     assert len(names) == len(rules) == sum(
         len(g["rules"]) for g in yaml.safe_load(RULES.read_text())["groups"]

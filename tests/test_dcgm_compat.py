@@ -186,7 +186,8 @@ def test_the_doc_covers_every_panel_of_the_dashboard() -> None:
 @pytest.mark.slow
 @pytest.mark.prometheus
 def test_the_dcgm_dashboard_gets_data_from_the_demo(tmp_path: Path) -> None:
-    from prom_helpers import NO_PROMETHEUS_REASON, PROMETHEUS, free_port, http_get, start_prometheus, stop_process, wait_until
+    from kit_helpers import fetch, free_port, stop_process, wait_until
+    from prom_helpers import NO_PROMETHEUS_REASON, PROMETHEUS, start_prometheus
 
     if PROMETHEUS is None:
         pytest.skip(NO_PROMETHEUS_REASON)
@@ -197,14 +198,14 @@ def test_the_dcgm_dashboard_gets_data_from_the_demo(tmp_path: Path) -> None:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
     )
     try:
-        wait_until(lambda: http_get(f"http://127.0.0.1:{port}/readyz", timeout=2)[0] == 200, 60, what="demo /readyz")
+        wait_until(lambda: fetch(f"http://127.0.0.1:{port}/readyz", timeout=2)[0] == 200, 60, interval=0.2, message="demo /readyz", ignore=(OSError,))
         with start_prometheus([f"127.0.0.1:{port}"], tmp_path, scrape_interval="1s", rule_files=[RULES]) as prom:
             prom.wait_for_targets_up(timeout=60)
             # The dashboard's variables, as Grafana fills them ("All" selects every value).
             values = {}
             for var in dashboard()["variables"]:
                 metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", var["query"]).groups()
-                found = wait_until(lambda: prom.label_values(label, match=[metric]), 60, what=var["query"])
+                found = wait_until(lambda: prom.label_values(label, match=[metric]), 60, interval=0.2, message=var["query"], ignore=(Exception,))
                 # regex-escaped, and the backslashes doubled inside a PromQL string, as Grafana does
                 values[var["name"]] = "(" + "|".join(re.escape(v).replace("\\", "\\\\") for v in found) + ")"
             assert sorted(prom.label_values("gpu", match=["DCGM_FI_DEV_GPU_TEMP"])) == ["0", "1", "2", "3", "4"]

@@ -6,35 +6,16 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
+from kit_helpers import fetch, free_port, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.sim.scenario import bundled_scenarios
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def fetch(url: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-    except OSError:
-        return 0, b""
+from drasim.scenario import bundled_scenarios
 
 
 class Demo:
@@ -62,19 +43,21 @@ class Demo:
         self._banner.set()
 
     def wait(self, predicate, timeout: float, what: str):
-        deadline = time.monotonic() + timeout
-        while True:
-            v = predicate()
-            if v:
-                return v
+        """``predicate``'s first truthy value; fails at once if the demo exits. A refused
+        connection (the server is not up yet) counts as "not yet"."""
+
+        def check():
             if self.proc.poll() is not None:
                 raise AssertionError(f"demo exited with {self.proc.returncode} while waiting for {what}:\n" + self.output())
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout}s waiting for {what}:\n" + self.output())
-            time.sleep(0.05)
+            return predicate()
+
+        try:
+            return wait_until(check, timeout, interval=0.05, message=what, ignore=(OSError,))
+        except TimeoutError as e:
+            raise AssertionError(f"{e}:\n" + self.output()) from None
 
     def banner_dir(self) -> Path:
-        assert self._banner.wait(20), "no banner:\n" + self.output()
+        assert self._banner.wait(60), "no banner:\n" + self.output()
         m = next((re.search(r"kubelet socket:\s+(\S+)", line) for line in self.lines if "kubelet socket:" in line), None)
         assert m, "banner without the kubelet socket:\n" + self.output()
         return Path(m.group(1)).parent
@@ -104,7 +87,7 @@ def test_demo_serves_the_mixed_node_and_stops_cleanly(tmp_path):
     try:
         workdir = demo.banner_dir()
         assert workdir.is_dir() and workdir.name.startswith("dra-demo-")
-        demo.wait(lambda: fetch(demo.url + "/readyz")[0] == 200, 20, "/readyz 200")
+        demo.wait(lambda: fetch(demo.url + "/readyz")[0] == 200, 60, "/readyz 200")
 
         def scraped():
             status, body = fetch(demo.url + "/metrics")
@@ -112,7 +95,7 @@ def test_demo_serves_the_mixed_node_and_stops_cleanly(tmp_path):
             # wait for a cycle that saw the claims (the slice watch is asynchronous)
             return s if any(x.name == "dra_claim_devices" for x in s) else None
 
-        s = demo.wait(scraped, 20, "claims in /metrics")
+        s = demo.wait(scraped, 60, "claims in /metrics")
     finally:
         rc = demo.stop(signal.SIGINT)
 
@@ -158,7 +141,7 @@ def test_demo_runs_the_mig_heavy_scenario_and_stops_on_sigterm(tmp_path):
             s = samples(body) if status == 200 else []
             return s if sum(1 for x in s if x.name == "dra_claim_devices") == 24 else None
 
-        s = demo.wait(scraped, 20, "all 24 claims in /metrics")
+        s = demo.wait(scraped, 60, "all 24 claims in /metrics")
     finally:
         rc = demo.stop(signal.SIGTERM)  # the kubelet stops pods with SIGTERM
     assert rc == 0, demo.output()
@@ -176,7 +159,7 @@ def test_ctrl_c_during_start_up_still_cleans_up(tmp_path):
     demo = Demo(tmp_path, "--time-scale", "60")
     try:
         # the in-process API server is up, the agent is not yet: interrupt right there
-        demo.wait(lambda: "apiserver.started" in demo.stderr_path.read_text(errors="replace"), 20, "API server start")
+        demo.wait(lambda: "apiserver.started" in demo.stderr_path.read_text(errors="replace"), 60, "API server start")
     finally:
         rc = demo.stop(signal.SIGINT)
     assert rc == 0, demo.output()

@@ -8,15 +8,14 @@ moment that matters instead of waiting for the demo's next periodic print."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
-import time
 
-from exporter.config import Config, TaintMode
-from exporter.devices.sim import SimBackend, SimClock
-from exporter.sim.demo import DEMO_POLICY, DemoCluster, summary_line
-from exporter.sim.scenario import parse_scenario
-from exporter.wiring import build_agent
+from kit_helpers import wait_until
+
+from exporter.config import TaintMode
+from drasim.backend import SimClock
+from drasim.demo import DEMO_POLICY, DemoCluster, summary_line
+from drasim.scenario import parse_scenario
 
 SCENARIO = """
 name: one-fault
@@ -37,33 +36,17 @@ faults:
 HOLD = 120.0  # simulated seconds a recovered GPU keeps its rule
 
 
-def wait_for(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = check()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def test_status_line_explains_a_taint_held_after_recovery(tmp_path):
     import yaml
 
     sc = parse_scenario(yaml.safe_load(SCENARIO))
     clock = SimClock(20.0)
     cluster = DemoCluster(sc, clock, tmp_path)
-    agent = None
     try:
         cluster.start()
-        cfg = Config(
-            listen_host="127.0.0.1", listen_port=0, node_name=sc.node, kubelet_socket=cluster.socket,
-            kubeconfig=str(cluster.kubeconfig), backend="sim", interval=0.2, taint_mode=TaintMode.ENFORCE,
-            taint_hold_seconds=HOLD,
+        agent = cluster.start_agent(
+            interval=0.2, taint_mode=TaintMode.ENFORCE, taint_hold_seconds=HOLD, health_policy=DEMO_POLICY, remediation_resync=0.5,
         )
-        agent = build_agent(cfg, backend=SimBackend(sc, clock), clock=clock.epoch, health_policy=DEMO_POLICY, remediation_resync=0.5)
-        agent.start()
         lines: list[str] = []
 
         def line_with(pattern: str) -> str | None:
@@ -71,14 +54,12 @@ def test_status_line_explains_a_taint_held_after_recovery(tmp_path):
             lines.append(line)
             return line if re.search(pattern, line) else None
 
-        during = wait_for(lambda: line_with(r"taints: .*gpu-1=NoExecute"), 120, "the NoExecute rule")
+        during = wait_until(lambda: line_with(r"taints: .*gpu-1=NoExecute"), 120, interval=0.05, message="the NoExecute rule")
         assert "conditions: none" not in during and "xid_79" in during, during
-        held = wait_for(lambda: line_with(r"recovered"), 120, "the GPU to recover while its rule is held")
+        held = wait_until(lambda: line_with(r"recovered"), 120, interval=0.05, message="the GPU to recover while its rule is held")
         assert "gpu-1=NoExecute" in held or "gpu-1=" in held, held
         assert "conditions: none" not in held and f"gpu-1=NoExecute held until {HOLD:g}s healthy" in held, held
         # invariant over every line seen: a NoExecute taint never sits beside "conditions: none"
         assert not [x for x in lines if "conditions: none" in x and "NoExecute" in x], lines
     finally:
-        if agent is not None:
-            agent.stop()
-        cluster.stop()
+        cluster.stop()  # the agent first, then the kubelet and the API server

@@ -5,29 +5,31 @@ The agent is built by the real wiring (``build_agent``): the sim device backend,
 PodResources server on a unix socket, the in-process Kubernetes API over HTTP (with a strict
 kubernetes-validate validator for every object written), the SliceWatcher, the health engine and
 the remediator thread, and the agent's own /metrics server, scraped over HTTP. Simulated time
-runs 20x faster than real time.
+runs 20x faster than real time, and the test holds it still while it looks at the faulted state.
 """
 
 from __future__ import annotations
 
-import urllib.request
 
 import pytest
-from k8s_helpers import publish_scenario, running_apiserver, wait_until, write_kubeconfig
+from kit_helpers import fetch, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from validation import StrictValidator, validate_strict
 
-from exporter.config import Config, TaintMode
-from exporter.devices.sim import SimBackend, SimClock
+from exporter.config import TaintMode
+from drasim.backend import SimClock
+from drasim.node import SimulatedNode
 from exporter.health.engine import HealthPolicy
 from exporter.remediation import names
-from exporter.sim import objects
-from exporter.sim.kubelet import FakeKubelet
-from exporter.sim.scenario import parse_scenario
-from exporter.wiring import build_agent
+from drasim import objects
+from drasim.scenario import parse_scenario
 
 SCALE = 20.0  # simulated seconds per real second
+FAULT_AT = 5.0
 RESET_AT = 40.0
+# Nothing depends on how fast this machine is: simulated time stands still while the agent
+# starts, runs at real speed (35 s of slack) from the fault until the rule is written, stands
+# still while the test looks at the faulted state, then jumps to the reset and runs at SCALE.
 SCENARIO = {
     "name": "e2e-xid79",
     "node": "e2e-node",
@@ -43,14 +45,15 @@ SCENARIO = {
     "faults": [
         {"kind": "xid", "gpu": "gpu1", "at": "5s", "code": 79},
         {"kind": "lost", "gpu": "gpu1", "at": "5s"},
-        {"kind": "reset", "gpu": "gpu1", "at": "40s"},  # 1.75 s of real time after the XID for the checks
+        {"kind": "reset", "gpu": "gpu1", "at": "40s"},  # RESET_AT
     ],
 }
 
 
 def scrape(url: str) -> dict[str, list]:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
-        body = resp.read().decode()
+    status, raw = fetch(f"{url}/metrics")
+    assert status == 200, status
+    body = raw.decode()
     out: dict[str, list] = {}
     for fam in text_string_to_metric_families(body):
         for s in fam.samples:
@@ -59,37 +62,32 @@ def scrape(url: str) -> dict[str, list]:
 
 
 @pytest.fixture
-def cluster(tmp_path):
+def node():
     sc = parse_scenario(SCENARIO, "e2e")
-    kubelet = FakeKubelet(str(tmp_path / "kubelet.sock"))
-    kubelet.set_pods(objects.kubelet_pods(sc, list(sc.pods)))
-    kubelet.start()
-    with running_apiserver("1.37", bookmark_interval=1.0) as server:
+    clock = SimClock(1.0)
+    clock.pause()  # at sim t=0 until the agent has joined: start-up takes what it takes
+    with SimulatedNode(sc, clock, bookmark_interval=1.0) as node:
         validator = StrictValidator("1.37")
-        server.set_validator(validator)
-        publish_scenario(server, sc)
-        kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", server.url)
-        try:
-            yield sc, server, validator, kubelet, kubeconfig
-        finally:
-            kubelet.stop()
+        node.start(api_setup=lambda api: api.set_validator(validator))
+        yield node, validator
 
 
-def test_xid79_taints_exactly_that_device_and_recovery_removes_it(cluster):
-    sc, server, validator, kubelet, kubeconfig = cluster
-    clock = SimClock(SCALE, start_offset=-20.0)  # 1 s of real time to start up before sim t=0
-    cfg = Config(
-        listen_host="127.0.0.1", listen_port=0, node_name=sc.node, kubelet_socket=kubelet.socket_path, kubeconfig=str(kubeconfig),
-        backend="sim", interval=0.1, call_timeout=1.0, taint_mode=TaintMode.ENFORCE, taint_hold_seconds=4.0,
-    )
-    agent = build_agent(cfg, backend=SimBackend(sc, clock), clock=clock.epoch, health_policy=HealthPolicy(clear_hold=4.0), remediation_resync=0.5)
+def test_xid79_taints_exactly_that_device_and_recovery_removes_it(node):
+    node, validator = node
+    sc, server, clock = node.scenario, node.api, node.clock
     bad = sc.gpu("gpu1")
     expected_name = names.rule_name(sc.node, objects.DRIVER, sc.node, bad.device_name)
-    agent.start(serve=True)
+    agent = node.start_agent(
+        interval=0.1, call_timeout=1.0, taint_mode=TaintMode.ENFORCE, taint_hold_seconds=4.0,
+        health_policy=HealthPolicy(clear_hold=4.0), remediation_resync=0.5,
+    )
     try:
-        assert clock.now() < 5.0, "the machine is too slow for this scenario's timeline"
-        wait_until(lambda: agent.snapshot is not None and any(a.claim == "train" for a in agent.snapshot.allocations), timeout=5, message="the join")
-        wait_until(lambda: server.list("resource.k8s.io", "devicetaintrules"), timeout=10, message="the DeviceTaintRule")
+        assert clock.now() < FAULT_AT
+        wait_until(lambda: agent.snapshot is not None and any(a.claim == "train" for a in agent.snapshot.allocations), timeout=60, message="the join")
+        clock.advance_to(FAULT_AT - 0.5)
+        clock.resume(scale=1.0)
+        wait_until(lambda: server.list("resource.k8s.io", "devicetaintrules"), timeout=60, message="the DeviceTaintRule")
+        clock.pause()  # the faulted state holds while we look at it
         rules = server.list("resource.k8s.io", "devicetaintrules")
         assert len(rules) == 1
         rule = rules[0]
@@ -102,7 +100,7 @@ def test_xid79_taints_exactly_that_device_and_recovery_removes_it(cluster):
         assert clock.now() < RESET_AT, "checked before the scripted reset"
 
         # the next collection cycle publishes it
-        m = wait_until(lambda: (lambda m: m if m.get("dra_device_taint_rule") else None)(scrape(agent.server.url)), timeout=5, message="the metrics")
+        m = wait_until(lambda: (lambda m: m if m.get("dra_device_taint_rule") else None)(scrape(agent.server.url)), timeout=60, message="the metrics")
         healthy = {lab["uuid"]: v for lab, v in m["gpu_healthy"]}
         assert healthy[bad.uuid] == 0.0
         assert all(v == 1.0 for u, v in healthy.items() if u != bad.uuid)  # the others untouched
@@ -115,10 +113,12 @@ def test_xid79_taints_exactly_that_device_and_recovery_removes_it(cluster):
         assert claim_ok == {"train": 0.0, "serve": 1.0}
         assert clock.now() < RESET_AT, "checked before the scripted reset"
 
-        # reset at t=20 s, healthy for the health hold, then one step per remediation hold
-        wait_until(lambda: not server.list("resource.k8s.io", "devicetaintrules"), timeout=15, message="the rule's removal")
+        # the reset, healthy for the health hold, then one step per remediation hold
+        clock.advance_to(RESET_AT)
+        clock.resume(scale=SCALE)
+        wait_until(lambda: not server.list("resource.k8s.io", "devicetaintrules"), timeout=60, message="the rule's removal")
         assert clock.now() > RESET_AT
-        wait_until(lambda: not scrape(agent.server.url).get("dra_device_taint_rule"), timeout=5, message="the series to go")
+        wait_until(lambda: not scrape(agent.server.url).get("dra_device_taint_rule"), timeout=60, message="the series to go")
     finally:
         agent.stop()
 

@@ -34,9 +34,9 @@ from hypothesis import strategies as st
 from exporter.cli import main
 from exporter.config import ENV_PREFIX, Config, ConfigError, TaintMode, build_parser, check_kubelet_socket, kubelet_socket_unusable, parse_listen, resolve
 from exporter.devices.model import ReadError, RecoveryAction
-from exporter.devices.sim import SimBackend, SimClock
-from exporter.sim import objects
-from exporter.sim.scenario import Scenario, ScenarioError, bundled_scenarios, load_scenario, parse_scenario
+from drasim.backend import SimBackend, SimClock
+from drasim import objects
+from drasim.scenario import Scenario, ScenarioError, bundled_scenarios, load_scenario, parse_scenario
 from tree_helpers import tree_paths
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "scenarios.md"
@@ -809,6 +809,8 @@ def _expected(flag: str, value: str, from_env: bool) -> Any:
         if flag == "taint-rate-limit":
             return int(v) if v == int(v) else None  # a count of rules: a whole number
         return v
+    if flag == "backend" and value == "sim":
+        return None  # the agent refuses it: the simulated backend is the demo's (README flag table)
     if flag in CHOICES:
         v = value.lower() if flag == "log-level" and from_env else value
         return v if v in CHOICES[flag] else None

@@ -27,7 +27,7 @@ from exporter.kubelet.client import (
 )
 from exporter.kubelet.convert import to_snapshot
 from exporter.kubelet.model import AllocationSource, ContainerAllocation
-from exporter.sim.kubelet import FakeKubelet, cdi_only_claim, claim, container, pod
+from drasim.kubelet import FakeKubelet, cdi_only_claim, claim, container, pod
 from clock_helpers import ManualClock
 
 T = TypeVar("T")

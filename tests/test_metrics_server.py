@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from exporter import __version__
 from exporter.agent import Agent, Sources
 from exporter.config import Config
-from exporter.devices.sim import SimBackend, SimClock
+from drasim.backend import SimBackend, SimClock
 from exporter.kubelet.client import PodResourcesClient
 from exporter.devices.model import DeviceIdentity, Vendor
 from exporter.k8s.model import SliceDevice
@@ -30,9 +30,9 @@ from exporter.metrics.catalog import BY_NAME
 from exporter.metrics.render import Renderer, RenderState
 from exporter.model.join import JoinInputs, join
 from exporter.metrics.server import CONTENT_TYPE, MetricsServer
-from exporter.sim import objects
-from exporter.sim.kubelet import FakeKubelet
-from exporter.sim.scenario import default_scenario, parse_scenario
+from drasim import objects
+from drasim.kubelet import FakeKubelet
+from drasim.scenario import default_scenario, parse_scenario
 
 PROMTOOL = shutil.which("promtool")
 

@@ -6,12 +6,12 @@ import contextlib
 import importlib.util
 import json
 import queue
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pynvml
 import pytest
+from kit_helpers import wait_until
 
 from exporter.devices.base import BackendUnavailable
 from exporter.devices.deadline import CallHung, DeadlineRunner
@@ -94,13 +94,6 @@ def nvml() -> Iterator[Callable[..., tuple[FakeNvml, NvmlBackend]]]:
 def by_uuid(devices: list[DeviceIdentity]) -> dict[str, DeviceIdentity]:
     return {d.uuid: d for d in devices}
 
-
-def wait_until(pred: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Bounded poll for states that offer nothing to wait on (a DeadlineRunner lane finishing)."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 # ---- open / enumerate -------------------------------------------------------------------------

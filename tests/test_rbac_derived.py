@@ -32,11 +32,11 @@ from validation import StrictValidator
 from vap_eval import PolicyEvaluator, agent_request
 
 from exporter.config import Config, TaintMode
-from exporter.devices.sim import SimBackend, SimClock
+from drasim.backend import SimBackend, SimClock
 from exporter.health.engine import HealthPolicy
-from exporter.sim import objects
-from exporter.sim.kubelet import FakeKubelet
-from exporter.sim.scenario import parse_scenario
+from drasim import objects
+from drasim.kubelet import FakeKubelet
+from drasim.scenario import parse_scenario
 from exporter.wiring import build_agent
 
 AGENT = f"system:serviceaccount:{NAMESPACE}:{RELEASE}"

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 from exporter.metrics.catalog import CATALOG
 
@@ -79,7 +79,7 @@ def test_readme_demo_sample_matches_a_fresh_run(tmp_path) -> None:
     import subprocess
     import sys
 
-    from prom_helpers import free_port, stop_process, wait_until
+    from kit_helpers import free_port, stop_process, wait_until
 
     sample = _readme_sample()
     port = free_port()
@@ -103,7 +103,7 @@ def test_readme_demo_sample_matches_a_fresh_run(tmp_path) -> None:
             back = next((i for i, x in enumerate(lines) if "is running again" in x), None)
             return back is not None and any(_untimed(x) == _untimed(sample[-1]) for x in lines[back + 1 :])
 
-        wait_until(recovered, 180, what="the demo's recovery status line")
+        wait_until(recovered, 180, interval=0.2, message="the demo's recovery status line")
     finally:
         stop_process(proc, timeout=15)
     run = list(lines)

@@ -7,9 +7,10 @@
    Kubernetes API over HTTP. The agent must keep serving, tell the truth on /readyz, write
    exactly one DeviceTaintRule per failing device, count every event, keep its memory flat
    from one storm to the next and not log one line per event.
-2. A soak: the real ``demo`` CLI in a subprocess under 10 concurrent scrapers and a /readyz
-   poller for about three minutes, with faults all along. No failed request, every body
-   parses, and the process's RSS, threads and open files do not grow.
+2. A short soak: the real ``demo`` CLI in a subprocess under 10 concurrent scrapers and a
+   /readyz poller for 25 s, with faults all along. No failed request, every body parses, taints
+   come and go. The long soak (about three minutes, and the process's RSS, threads and open
+   files do not grow) is a benchmark: ``python bench/soak.py``.
 
 No sleeps as synchronisation: waits poll a condition (``wait_until``). No latency assertions.
 """
@@ -17,57 +18,27 @@ No sleeps as synchronisation: waits poll a condition (``wait_until``). No latenc
 from __future__ import annotations
 
 import gc
-import gzip
-import http.client
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 import tracemalloc
-import urllib.error
-import urllib.request
 from collections import Counter
 from contextlib import contextmanager
-from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import pytest
 import structlog
-import yaml
-from k8s_helpers import publish_scenario, running_apiserver, wait_until, write_kubeconfig
-from prom_helpers import free_port, stop_process
-from prometheus_client.parser import text_string_to_metric_families
+from kit_helpers import fetch, wait_until
+from load_helpers import Poller, parse, run_soak
 
+from drasim import objects
+from drasim.backend import SimBackend, SimClock
+from drasim.node import SimulatedNode
+from drasim.scenario import parse_scenario
 from exporter.config import Config, TaintMode
 from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, RecoveryAction, Vendor
-from exporter.devices.sim import SimBackend, SimClock
 from exporter.health.engine import HealthEngine, HealthPolicy
-from exporter.sim import objects
-from exporter.sim.kubelet import FakeKubelet
-from exporter.sim.scenario import bundled_scenarios, parse_scenario
 from exporter.wiring import build_agent
 
 # ------------------------------------------------------------------ helpers
-
-
-def fetch(url: str, timeout: float = 10.0) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-def parse(body: bytes) -> dict[str, list[tuple[dict, float]]]:
-    """Every sample of an exposition, by name. Raises if the text does not parse."""
-    out: dict[str, list[tuple[dict, float]]] = {}
-    for fam in text_string_to_metric_families(body.decode()):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
 
 
 class LogTally(Counter):
@@ -96,35 +67,6 @@ def counted_logs() -> Iterator[LogTally]:
         yield counts
     finally:
         structlog.configure(**old)
-
-
-class Poller(threading.Thread):
-    """Calls ``fn`` back to back until stopped; ``fn`` returns a label that is counted
-    (e.g. "200", "503", "unparsable"); an exception is counted under its type name."""
-
-    def __init__(self, name: str, fn: Callable[[], str]) -> None:
-        super().__init__(name=name, daemon=True)
-        self.fn = fn
-        self.results: Counter[str] = Counter()
-        self.errors: list[str] = []
-        self._halt = threading.Event()
-        self.paused = threading.Lock()  # held around each call: hold it to pause between calls
-
-    def run(self) -> None:
-        while not self._halt.is_set():
-            with self.paused:
-                try:
-                    self.results[self.fn()] += 1
-                except Exception as e:  # noqa: BLE001 - a failed request is a result to report
-                    self.results[type(e).__name__] += 1
-                    if len(self.errors) < 5:
-                        self.errors.append(repr(e))
-
-    def stop(self) -> Counter[str]:
-        self._halt.set()
-        self.join(timeout=30)
-        assert not self.is_alive(), f"{self.name} did not stop"
-        return self.results
 
 
 def settled_traced_memory(pollers: list[Poller], samples: int = 5) -> int:
@@ -196,33 +138,21 @@ def storm(sc, first: bool) -> list[DeviceEvent]:
 
 
 @pytest.fixture
-def storm_node(tmp_path):
+def storm_node():
     sc = parse_scenario(STORM_NODE, "storm")
-    sock_dir = Path(tempfile.mkdtemp(prefix="dra-storm-"))  # unix socket paths: at most 107 bytes
-    kubelet = FakeKubelet(str(sock_dir / "kubelet.sock"))
-    kubelet.set_pods(objects.kubelet_pods(sc, list(sc.pods)))
-    kubelet.start()
-    try:
-        with running_apiserver("1.37", bookmark_interval=1.0) as server:
-            publish_scenario(server, sc)
-            cfg = Config(
-                listen_host="127.0.0.1", listen_port=0, node_name=sc.node, kubelet_socket=kubelet.socket_path,
-                kubeconfig=str(write_kubeconfig(tmp_path / "kubeconfig", server.url)), backend="sim", interval=0.1, call_timeout=1.0,
-                taint_mode=TaintMode.ENFORCE,
-                # Safety limits out of the way: every failing device gets its rule at its tier.
-                taint_rate_limit=1000, taint_budget_max=1000, taint_budget_fraction=1.0, node_failure_fraction=1.0,
-            )
-            clock = SimClock(1.0)
-            backend = SimBackend(sc, clock)
-            agent = build_agent(cfg, backend=backend, clock=clock.epoch, health_policy=HealthPolicy(), remediation_resync=1.0)
-            agent.start(serve=True)
-            try:
-                yield sc, server, agent, backend
-            finally:
-                agent.stop()
-    finally:
-        kubelet.stop()
-        shutil.rmtree(sock_dir, ignore_errors=True)
+    with SimulatedNode(sc, SimClock(1.0)) as node:
+        node.start()
+        agent = node.start_agent(
+            interval=0.1, taint_mode=TaintMode.ENFORCE,
+            # /readyz calls device data stale after 3 intervals + call_timeout. The storm runs on
+            # busy shared machines: a generous deadline keeps "ready" about a stalled sampler,
+            # not about a slow one (this test shows the agent keeps serving, not how fast).
+            call_timeout=10.0,
+            # Safety limits out of the way: every failing device gets its rule at its tier.
+            taint_rate_limit=1000, taint_budget_max=1000, taint_budget_fraction=1.0, node_failure_fraction=1.0,
+            health_policy=HealthPolicy(), remediation_resync=1.0,
+        )
+        yield sc, node.api, agent, node.backend
 
 
 def test_xid_storm_keeps_serving_taints_once_per_device_and_stays_bounded(storm_node):
@@ -230,7 +160,7 @@ def test_xid_storm_keeps_serving_taints_once_per_device_and_stays_bounded(storm_
     url = agent.server.url
     ref = lambda r: objects.device_uuid(sc, r)  # noqa: E731
     dev = lambda r: objects.device_name(sc, r)  # noqa: E731
-    wait_until(lambda: agent.src.slices.synced and agent.src.remediation.ok, timeout=10, message="slices listed, remediation running")
+    wait_until(lambda: agent.src.slices.synced and agent.src.remediation.ok, timeout=60, message="slices listed, remediation running")
 
     def scrape_once() -> str:
         status, body = fetch(url + "/metrics")
@@ -266,9 +196,9 @@ def test_xid_storm_keeps_serving_taints_once_per_device_and_stays_bounded(storm_
                 cycles_before, lines_before = cycles(), sum(logs.values())
                 backend.inject(events)
                 del events  # the agent's memory is measured, not the test's
-                wait_until(delivered, timeout=30, interval=0.05, message=f"storm {n + 1}: all {size} events counted")
+                wait_until(delivered, timeout=120, interval=0.05, message=f"storm {n + 1}: all {size} events counted")
                 # the sampler kept collecting through the storm, so "ready" was the truth
-                wait_until(lambda: cycles() >= cycles_before + 3, timeout=10, message="three collection cycles during and after the storm")
+                wait_until(lambda: cycles() >= cycles_before + 3, timeout=60, message="three collection cycles during and after the storm")
                 logs_per_storm.append(sum(logs.values()) - lines_before)
                 if n >= 1:
                     traced.append(settled_traced_memory(scrapers))
@@ -301,7 +231,7 @@ def test_xid_storm_keeps_serving_taints_once_per_device_and_stays_bounded(storm_
     }
     rules = wait_until(
         lambda: (lambda rs: rs if {r["spec"]["deviceSelector"]["device"]: r["spec"]["taint"]["effect"] for r in rs} == want else None)(server.list("resource.k8s.io", "devicetaintrules")),
-        timeout=10, message=f"rules {want}",
+        timeout=60, message=f"rules {want}",
     )
     assert len(rules) == len(want), [r["metadata"]["name"] for r in rules]
     creates = [q for q in server.requests if q.method == "POST" and q.path.endswith("/devicetaintrules")]
@@ -340,7 +270,7 @@ def test_an_event_waiting_at_start_counts_against_the_gpu_of_its_mig_instance():
     agent = build_agent(cfg, backend=backend)
     agent.start(serve=False)
     try:
-        wait_until(lambda: agent.health.counters()[0], timeout=10)
+        wait_until(lambda: agent.health.counters()[0], timeout=60)
         assert agent.health.counters()[0] == {(gpu.uuid, 79): 1}
         assert not agent.health.health(gpu.uuid).healthy
     finally:
@@ -379,139 +309,23 @@ def test_repeats_of_a_known_condition_are_summarised_not_logged_one_by_one():
     assert "repeated over 3x" in cond.evidence and cond.count == 2000
 
 
-# ------------------------------------------------------------------ 2. soak under 10 scrapers
+# ------------------------------------------------------------------ 2. short soak under 10 scrapers
 
-SOAK_SECONDS = 165.0  # wall time under load
-WARMUP_SECONDS = 30.0
-SAMPLE_EVERY = 5.0  # RSS, threads and fds of the demo process, this often
-SCALE = 10.0  # simulated seconds per real second
+# The long soak (165 s, with bounds on RSS, thread and fd growth) is a benchmark: bench/soak.py.
+SOAK_SECONDS = 25.0  # wall time under load: long enough for a fault, its taint and its removal
 SCRAPERS = 10
-# RSS after the warm-up may exceed the warm-up's maximum by this much. Measured on this
-# project's 2-core CI machine: +0.9 MB and +1.3 MB over the 135 s after the warm-up, about
-# 10-18 KB/s, most of it the demo's in-process API emulation, which then recorded every request
-# it served (~4 a second; it now keeps its latest 1000) and its store filling its 1000-entry
-# write history. 4 MB is three times that: allocator noise passes, while a leak of a few
-# hundred bytes per scrape (~25,000 scrapes after the warm-up) or per event does not.
-RSS_BOUND_KB = 4 * 1024
-# The agent's Kubernetes client opens pooled connections lazily, when API calls overlap (the
-# slice watch, the remediator, the ResourceClaim lane): one more may first be needed after the
-# warm-up (seen: one). The API emulation runs in the same process, so each costs two fds (both
-# ends) and one server thread. Allow two such connections; any per-request, per-cycle or
-# per-fault leak is far beyond that.
-LATE_CONNECTIONS = 2
-
-
-def soak_scenario() -> dict:
-    """The bundled failure-storm node (8 GPUs, 8 pods, 8 claims) with faults all along the
-    soak instead of only in its first 25 s: every kind of episode (hung driver call, GPU lost,
-    growing uncorrectable ECC, a recovery action asked by the driver) in the warm-up, then one
-    every 12 s, each ending in a reset; and an informational XID every 4 s. Each GPU fails
-    twice at most, so none becomes sticky: taints come and go for the whole run."""
-    sc = yaml.safe_load(bundled_scenarios()["failure-storm"].read_text())
-    starts = [20, 80, 140, 200] + [300 + 120 * k for k in range(12)]  # simulated seconds
-    faults: list[dict] = []
-    for k, at in enumerate(starts):
-        gpu, end = f"gpu{k % 8}", at + 25
-        kind = ("hang", "lost", "ecc_uncorrectable", "recovery_action")[k % 4]
-        if kind == "hang":
-            faults.append({"kind": "hang", "gpu": gpu, "at": at, "until": end})
-        elif kind == "lost":
-            faults += [{"kind": "xid", "gpu": gpu, "at": at, "code": 79}, {"kind": "lost", "gpu": gpu, "at": at, "until": end}]
-        elif kind == "ecc_uncorrectable":
-            faults += [{"kind": "xid", "gpu": gpu, "at": at, "code": 48}, {"kind": "ecc_uncorrectable", "gpu": gpu, "at": at, "until": end, "rate_per_minute": 30}]
-        else:
-            faults.append({"kind": "recovery_action", "gpu": gpu, "at": at, "until": end, "code": 1})
-        faults.append({"kind": "reset", "gpu": gpu, "at": end})
-    info = (13, 31, 43, 45, 63, 68, 69, 92, 94, 154)
-    faults += [{"kind": "xid", "gpu": f"gpu{k % 8}", "at": 10 + 40 * k, "code": info[k % len(info)]} for k in range(int(SOAK_SECONDS * SCALE / 40) + 10)]
-    sc["faults"] = faults
-    sc["name"] = "soak"
-    return sc
-
-
-def proc_stats(pid: int) -> tuple[int, int, int]:
-    """(VmRSS in KiB, threads, open file descriptors) of a process, from /proc."""
-    fields = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            fields[key] = value.split()
-    return int(fields["VmRSS"][0]), int(fields["Threads"][0]), len(os.listdir(f"/proc/{pid}/fd"))
 
 
 @pytest.mark.slow
-def test_soak_demo_under_ten_scrapers_serves_every_request_without_growth(tmp_path):
-    scenario = tmp_path / "soak.yaml"
-    scenario.write_text(yaml.safe_dump(soak_scenario()))
-    parse_scenario(yaml.safe_load(scenario.read_text()), "soak")  # a valid scenario, or fail here
-    port = free_port()
-    out, err = open(tmp_path / "stdout", "w"), open(tmp_path / "stderr", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "exporter", "--interval", "0.2", "demo", "--time-scale", f"{SCALE:g}", "--listen", f"127.0.0.1:{port}",
-         "--scenario", str(scenario), "--log-format", "json"],
-        stdout=out, stderr=err, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
-    base = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        assert proc.poll() is None, f"demo exited with {proc.returncode}: {(tmp_path / 'stderr').read_text()[-2000:]}"
-        try:
-            return fetch(base + "/readyz", timeout=1)[0] == 200
-        except OSError:
-            return False
-
-    def scraper(gzipped: bool) -> Callable[[], str]:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)  # keep-alive, like Prometheus
-
-        def once() -> str:
-            conn.request("GET", "/metrics", headers={"Accept-Encoding": "gzip"} if gzipped else {})
-            resp = conn.getresponse()
-            body = resp.read()
-            if resp.status != 200:
-                return str(resp.status)
-            if resp.getheader("Content-Encoding") == "gzip":
-                body = gzip.decompress(body)
-            m = parse(body)  # raises (counted as an error) if the body does not parse
-            return "200" if m.get("gpu_up") else "no gpu_up"
-
-        return once
-
-    pollers = [Poller(f"scraper-{i}", scraper(gzipped=i % 2 == 0)) for i in range(SCRAPERS)]
-    pollers.append(Poller("readyz", lambda: str(fetch(base + "/readyz")[0])))
-    samples: list[tuple[float, int, int, int]] = []  # (seconds since load began, RSS KiB, threads, fds)
-    try:
-        wait_until(ready, timeout=60, interval=0.2, message="demo /readyz")
-        for p in pollers:
-            p.start()
-        t0 = time.monotonic()
-        while (t := time.monotonic() - t0) < SOAK_SECONDS:
-            assert proc.poll() is None, f"demo exited with {proc.returncode}"
-            samples.append((round(t, 1), *proc_stats(proc.pid)))
-            time.sleep(SAMPLE_EVERY)  # a measuring cadence, not a wait for anything
-        samples.append((round(time.monotonic() - t0, 1), *proc_stats(proc.pid)))
-    finally:
-        results = [p.stop() for p in pollers if p.ident]
-        stop_process(proc, timeout=20)
-        out.close()
-        err.close()
-
-    scrapes = sum((r for r in results[:SCRAPERS]), Counter())
-    readyz = results[SCRAPERS]
-    warm = [s for s in samples if s[0] <= WARMUP_SECONDS]
-    later = [s for s in samples if s[0] > WARMUP_SECONDS]
-    log = (tmp_path / "stderr").read_text()
-    print(f"\nsoak: {SOAK_SECONDS:g} s, /metrics {dict(scrapes)}, /readyz {dict(readyz)}, {log.count(chr(10))} log lines; "
-          f"samples (s, RSS KiB, threads, fds): {samples}")
+def test_short_soak_demo_under_ten_scrapers_serves_every_request(tmp_path):
+    # --call-timeout: /readyz calls data stale after 3 intervals + call_timeout; 10 s keeps it
+    # about a stalled sampler, not a slow one on a busy machine.
+    r = run_soak(tmp_path, SOAK_SECONDS, scrapers=SCRAPERS, demo_args=("--call-timeout", "10"))
+    print(f"\nshort soak: {SOAK_SECONDS:g} s, /metrics {dict(r.scrapes)}, /readyz {dict(r.readyz)}; samples (s, RSS KiB, threads, fds): {r.samples}")
 
     # Every request answered: no error status, no connection error, every body parses.
-    assert set(scrapes) == {"200"}, (dict(scrapes), [p.errors for p in pollers])
-    assert all(r["200"] >= 10 for r in results[:SCRAPERS]), "every scraper kept scraping"
-    assert set(readyz) == {"200"}, (dict(readyz), pollers[-1].errors)
+    assert set(r.scrapes) == {"200"}, (dict(r.scrapes), r.errors)
+    assert all(c["200"] >= 1 for c in r.per_scraper), "every scraper got answers"
+    assert set(r.readyz) == {"200"}, (dict(r.readyz), r.errors[-1])
     # The scenario's faults happened: taints were written, and removed after recovery.
-    assert '"rule_created"' in log and '"rule_deleted"' in log
-
-    # No growth after the warm-up (bounds: see RSS_BOUND_KB and LATE_CONNECTIONS).
-    assert len(warm) >= 5 and len(later) >= 20
-    assert max(s[1] for s in later) <= max(s[1] for s in warm) + RSS_BOUND_KB, f"RSS grew: {samples}"
-    assert max(s[2] for s in later) <= max(s[2] for s in warm) + LATE_CONNECTIONS, f"threads grew: {samples}"
-    assert max(s[3] for s in later) <= max(s[3] for s in warm) + 2 * LATE_CONNECTIONS, f"open fds grew: {samples}"
+    assert '"rule_created"' in r.log and '"rule_deleted"' in r.log

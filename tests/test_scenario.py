@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from exporter.sim import objects
-from exporter.sim.scenario import (
+from drasim import objects
+from drasim.scenario import (
     Curve,
     ScenarioError,
     bundled_scenarios,
@@ -97,14 +97,14 @@ def test_docs_example_parses_and_covers_every_fault_kind():
     assert full, "docs/scenarios.md should carry a complete example"
     sc = parse_scenario(yaml.safe_load(full[0]), "example")
     assert sc.name == "two-tenants"
-    from exporter.sim.scenario import FAULT_KINDS
+    from drasim.scenario import FAULT_KINDS
 
     for kind in FAULT_KINDS:
         assert f"| `{kind}` |" in text, f"fault kind {kind} is not documented"
 
 
 def test_docs_name_every_key_the_parser_reads():
-    src = (Path(__file__).resolve().parent.parent / "exporter" / "sim" / "scenario.py").read_text()
+    src = (Path(__file__).resolve().parent.parent / "drasim" / "scenario.py").read_text()
     keys = set(re.findall(r'\.(?:get|req|str|num|int|bool|list)\("([a-z_]+)"', src))
     assert len(keys) > 30  # the pattern still finds the parser's reads
     doc = DOCS.read_text()

@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 import yaml
-from prom_helpers import NO_PROMETHEUS_REASON, PROMETHEUS, PrometheusServer, free_port, http_get, stop_process, wait_until
+from kit_helpers import fetch, free_port, stop_process, wait_until
+from prom_helpers import NO_PROMETHEUS_REASON, PROMETHEUS, PrometheusServer
 
 pytestmark = [pytest.mark.skipif(PROMETHEUS is None, reason=NO_PROMETHEUS_REASON), pytest.mark.slow, pytest.mark.prometheus]
 
@@ -82,7 +83,7 @@ def demo():
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
     try:
-        wait_until(lambda: http_get(f"http://127.0.0.1:{port}/readyz", timeout=1)[0] == 200, 60, what="demo /readyz")
+        wait_until(lambda: fetch(f"http://127.0.0.1:{port}/readyz", timeout=2)[0] == 200, 60, interval=0.2, message="demo /readyz", ignore=(OSError,))
         yield port
     finally:
         stop_process(proc, timeout=15)
@@ -112,7 +113,7 @@ def prometheus(demo: int, tmp_path: Path):
     server = PrometheusServer(url=f"http://127.0.0.1:{port}", config_path=config_path, data_dir=tmp_path / "tsdb",
                               log_path=log_path, process=process, _log_file=log_file)
     try:
-        wait_until(lambda: http_get(f"{server.url}/-/ready", timeout=2)[0] == 200, 60, what="prometheus /-/ready")
+        wait_until(lambda: fetch(f"{server.url}/-/ready", timeout=2)[0] == 200, 60, interval=0.2, message="prometheus /-/ready", ignore=(OSError,))
         yield server
     finally:
         server.stop()

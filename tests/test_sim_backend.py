@@ -9,8 +9,8 @@ import pytest
 
 from exporter.devices.deadline import CallHung, DeadlineRunner
 from exporter.devices.model import DeviceEvent, EventKind, ReadError, RecoveryAction, Vendor
-from exporter.devices.sim import SimBackend, SimClock
-from exporter.sim.scenario import load_scenario, parse_scenario, bundled_scenarios
+from drasim.backend import SimBackend, SimClock
+from drasim.scenario import load_scenario, parse_scenario, bundled_scenarios
 
 # A clock that barely moves: simulated time sits at `start_offset` for the length of a test.
 FROZEN = 1e-6

@@ -1,8 +1,11 @@
 """XID classification: which tier an NVIDIA XID puts a GPU in.
 
-Tiers follow reference/anchors-health.md section 5.3 and b.1: NVIDIA's catalog resolution
-buckets (RESET_GPU / RESTART_BM are fatal or degraded, RESTART_APP / IGNORE informational),
-DCGM's FAIL list, and what the device plugin treats as application errors.
+Tiers follow NVIDIA's XID catalog resolution buckets (RESET_GPU / RESTART_BM are fatal or
+degraded, RESTART_APP / IGNORE informational;
+https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html), DCGM's health-watch
+FAIL list (https://github.com/NVIDIA/DCGM/blob/master/modules/health/DcgmHealthWatch.cpp), and
+the XIDs the device plugin treats as application errors, 13, 31, 43, 45, 68 and 109
+(https://github.com/NVIDIA/k8s-device-plugin/blob/main/internal/rm/health.go).
 """
 
 from __future__ import annotations

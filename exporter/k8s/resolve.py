@@ -3,7 +3,9 @@
 Pure functions over the ResourceSlice device, the claim's allocation result and the devices
 the backend enumerated. No I/O, so every rule is testable with plain data.
 
-Rules, in the order they are tried (facts in reference/apis.md sections 3 and 7):
+Rules, in the order they are tried (what the drivers publish, read from their sources:
+https://github.com/NVIDIA/k8s-dra-driver-gpu and
+https://github.com/ROCm/k8s-gpu-dra-driver/blob/main/docs/driver-attributes.md):
 
 ``gpu.nvidia.com``
   * ``uuid`` attribute (``GPU-...`` for a full GPU, ``MIG-...`` for a static MIG device).

@@ -1,6 +1,6 @@
 """allocations x slices x devices -> Snapshot. Pure: no I/O, no clocks, no globals.
 
-Invariants (checked by tests/test_join_properties.py):
+Invariants (checked by the property test tests/test_join.py::test_join_invariants):
   * every claim the kubelet reports appears exactly once, however many pods share it;
   * every allocated device appears once per container that holds it;
   * every enumerated device appears once, allocated or not;

@@ -1,6 +1,9 @@
 """Which API groups, versions and resources the fake API server serves, per Kubernetes release.
 
-The tables follow shared/reference/apis.md 2.1 and anchors-health.md 1.2: resource.k8s.io moved
+The tables follow the versions each release serves (k8s.io/api's resource packages,
+https://github.com/kubernetes/api/tree/master/resource, and the DRADeviceTaints /
+DRADeviceTaintRules gates in https://github.com/kubernetes/kubernetes/blob/master/pkg/features/kube_features.go,
+KEP-5055): resource.k8s.io moved
 from v1beta1 (1.32) to v1beta2 (1.33) to v1 (1.34), while DeviceTaintRule stayed alpha (v1alpha3)
 until 1.35, became v1beta2 in 1.36 and v1 in 1.37. A release "has" more versions than it serves
 by default (betas need --runtime-config); callers can serve any version the release has.

@@ -12,33 +12,85 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import structlog
 
-from ..sim.scenario import Fault, GpuSpec, MigSpec, Scenario
-from .base import DeviceBackend, EventSink
-from .model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction, Vendor
+from exporter.devices.base import DeviceBackend, EventSink
+from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction, Vendor
+
+from .scenario import Fault, GpuSpec, MigSpec, Scenario
 
 log = structlog.get_logger(__name__)
 
 
 class SimClock:
-    """Simulated seconds since start, running ``scale`` times faster than the wall clock."""
+    """Simulated seconds since start, running ``scale`` times faster than the wall clock.
+
+    Tests can hold simulated time still (``pause``), move it forward (``advance_to``) and let it
+    run again (``resume``): a scripted state then lasts for as long as the test looks at it, on
+    any machine, instead of for a window of real time."""
 
     def __init__(self, scale: float = 1.0, start_offset: float = 0.0) -> None:
         self.scale = scale
+        self._lock = threading.Lock()
         self._t0 = time.monotonic()
         self._epoch0 = time.time()
-        self._offset = start_offset
+        self._start = start_offset  # the simulated instant of _epoch0
+        self._offset = start_offset  # the simulated instant of _t0
+        self._paused = False
+        self._listeners: list[Callable[[], None]] = []
+
+    def on_change(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` after pause, resume and advance_to (a thread waiting for a simulated
+        instant recomputes its wait)."""
+        with self._lock:
+            self._listeners.append(fn)
+
+    def _changed(self) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for fn in listeners:
+            fn()
 
     def now(self) -> float:
+        with self._lock:
+            return self._now()
+
+    def _now(self) -> float:
+        if self._paused:
+            return self._offset
         return self._offset + (time.monotonic() - self._t0) * self.scale
+
+    def pause(self) -> None:
+        """Hold simulated time where it is until ``resume``."""
+        with self._lock:
+            if not self._paused:
+                self._offset, self._paused = self._now(), True
+        self._changed()
+
+    def resume(self, scale: float | None = None) -> None:
+        """Let simulated time run again, at ``scale`` when given."""
+        with self._lock:
+            if not self._paused:
+                self._offset, self._t0 = self._now(), time.monotonic()
+            if scale is not None:
+                self.scale = scale
+            self._t0, self._paused = time.monotonic(), False
+        self._changed()
+
+    def advance_to(self, sim_t: float) -> None:
+        """Jump forward to ``sim_t`` (no-op if already later); paused or running as before."""
+        with self._lock:
+            now = self._now()
+            if sim_t > now:
+                self._offset += sim_t - now
+        self._changed()
 
     def epoch(self, sim_t: float | None = None) -> float:
         """Wall-clock-like timestamp (seconds since 1970) of a simulated instant."""
         t = self.now() if sim_t is None else sim_t
-        return self._epoch0 + (t - self._offset)
+        return self._epoch0 + (t - self._start)
 
     def real_seconds(self, sim_seconds: float) -> float:
         return max(0.0, sim_seconds / self.scale)
@@ -58,6 +110,7 @@ class SimBackend(DeviceBackend):
         self.clock = clock or SimClock()
         self._stop = threading.Event()
         self._wake = threading.Condition()
+        self.clock.on_change(self._clock_changed)
         self._injected: deque[DeviceEvent] = deque()
         self._energy: dict[str, _Energy] = {}
         self._identities: list[DeviceIdentity] = []
@@ -193,6 +246,11 @@ class SimBackend(DeviceBackend):
             self._thread.join(timeout=2)
 
     # -- internals ---------------------------------------------------------------------------
+    def _clock_changed(self) -> None:
+        """Simulated time was paused, resumed or moved: the event thread recomputes its wait."""
+        with self._wake:
+            self._wake.notify()
+
     def _active(self, gpu: str, t: float) -> dict[str, Fault]:
         """Faults in effect on ``gpu`` at simulated time ``t`` (latest of each kind wins).
 

@@ -13,18 +13,24 @@ it comes back (as a Deployment's replacement would) once the taint is gone.
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import sys
 import tempfile
 import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import structlog
 
-from ..config import Config
-from ..health.engine import HealthPolicy
-from .scenario import PodSpec, Scenario, ScenarioError, default_scenario, find_scenario, load_scenario
+from exporter.cli import stop_on_signals
+from exporter.config import Config
+from exporter.health.engine import HealthPolicy
+
+from . import objects
+from .apiserver import FakeApiServer
+from .backend import SimClock
+from .node import SimulatedNode
+from .scenario import PodSpec, Scenario, ScenarioError, bundled_scenarios, default_scenario, find_scenario, load_scenario
 
 log = structlog.get_logger(__name__)
 
@@ -33,44 +39,26 @@ DEMO_POLICY = HealthPolicy(clear_hold=30.0, event_quiet=300.0, info_quiet=120.0)
 DEMO_HOLD = 60.0
 
 
-def _kubeconfig(path: Path, url: str) -> None:
-    path.write_text(
-        "apiVersion: v1\nkind: Config\n"
-        f"clusters:\n- name: demo\n  cluster:\n    server: {url}\n"
-        "users:\n- name: demo\n  user:\n    token: demo\n"
-        "contexts:\n- name: demo\n  context:\n    cluster: demo\n    user: demo\n"
-        "current-context: demo\n"
-    )
+class DemoCluster(SimulatedNode):
+    """The simulated node of the demo, plus the part of kube-controller-manager's device taint
+    eviction controller: pods come and go on the scenario clock and with the taints."""
 
-
-class DemoCluster:
-    """The simulated cluster around the agent: kubelet, API server, and the eviction controller."""
-
-    def __init__(self, scenario: Scenario, clock, workdir: Path) -> None:
-        from ..sim.apiserver import FakeApiServer
-        from ..sim.kubelet import FakeKubelet
-        from . import objects
-
+    def __init__(self, scenario: Scenario, clock: SimClock, workdir: Path | None = None) -> None:
+        # The demo runs for days; the API server keeps only its latest requests (nothing reads them).
+        super().__init__(scenario, clock, bookmark_interval=5.0, request_log_size=1000, workdir=workdir)
         self.sc = scenario
-        self.clock = clock
-        self.objects = objects
-        self.workdir = workdir
-        self.socket = str(workdir / "kubelet.sock")
-        self.kubelet = FakeKubelet(self.socket)
-        # The demo runs for days; it keeps only its latest requests (nothing reads them).
-        self.api = FakeApiServer("1.37", bookmark_interval=5.0, request_log_size=1000)
-        self.kubeconfig = workdir / "kubeconfig"
         self.evicted: dict[tuple[str, str], float] = {}
         self._live: list[PodSpec] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
-        url = self.api.start()
-        _kubeconfig(self.kubeconfig, url)
-        self.api.apply(self.objects.node(self.sc))
-        self.api.apply(self.objects.resource_slice(self.sc))
-        self.kubelet.start()
+    def start(self, *, pods: Iterable[PodSpec] | None = None, start_kubelet: bool = True,
+              api_setup: Callable[[FakeApiServer], None] | None = None) -> None:
+        """As SimulatedNode.start, except that the scenario clock and the taints decide which pods
+        run (``pods`` must be None)."""
+        if pods is not None:
+            raise ValueError("the demo cluster places its pods itself")
+        super().start(pods=[], start_kubelet=start_kubelet, api_setup=api_setup)  # Node and ResourceSlice
         self.sync()
         self._thread = threading.Thread(target=self._loop, name="demo-cluster", daemon=True)
         self._thread.start()
@@ -79,8 +67,7 @@ class DemoCluster:
         self._stop.set()
         if self._thread:
             self._thread.join(timeout=3)
-        self.kubelet.stop()
-        self.api.stop()
+        super().stop()
 
     def _tainted_devices(self) -> set[str]:
         out = set()
@@ -99,7 +86,7 @@ class DemoCluster:
             if p.start > t or (p.end is not None and t >= p.end):
                 continue
             devices = {
-                self.objects.device_name(self.sc, ref)
+                objects.device_name(self.sc, ref)
                 for ct in p.containers
                 for cn in ct.claims
                 for c in self.sc.claims
@@ -119,15 +106,15 @@ class DemoCluster:
         if [p.name for p in live] == [p.name for p in self._live] and self._live:
             return
         self._live = live
-        self.kubelet.set_pods(self.objects.kubelet_pods(self.sc, live))
+        self.kubelet.set_pods(objects.kubelet_pods(self.sc, live))
         wanted = {(p.namespace, p.name) for p in live}
         for obj in self.api.list("", "pods"):
             m = obj["metadata"]
             if (m["namespace"], m["name"]) not in wanted:
                 self.api.delete("", "pods", m["name"], m["namespace"])
         for p in live:
-            self.api.apply(self.objects.pod_object(self.sc, p))
-        for c in self.objects.resource_claims(self.sc, live):
+            self.api.apply(objects.pod_object(self.sc, p))
+        for c in objects.resource_claims(self.sc, live):
             self.api.apply(c)
 
     def _loop(self) -> None:
@@ -180,6 +167,13 @@ def summary_line(agent, cluster: DemoCluster, hold: float = DEMO_HOLD) -> str:
     )
 
 
+def list_scenarios() -> int:
+    """``dra-gpu-exporter demo --list-scenarios``: name and file of each bundled scenario."""
+    for name, path in bundled_scenarios().items():
+        print(f"{name}\t{path}")
+    return 0
+
+
 def _device_uuids(sc: Scenario) -> dict[str, str]:
     """DRA device name -> UUID for the scenario's GPUs and MIG instances."""
     out = {}
@@ -191,10 +185,6 @@ def _device_uuids(sc: Scenario) -> dict[str, str]:
 
 
 def run_demo(cfg: Config, stop: threading.Event | None = None) -> int:
-    from ..cli import stop_on_signals
-    from ..devices.sim import SimBackend, SimClock
-    from ..wiring import build_agent
-
     try:
         scenario = load_scenario(find_scenario(cfg.scenario)) if cfg.scenario else default_scenario()
     except ScenarioError as e:
@@ -206,21 +196,13 @@ def run_demo(cfg: Config, stop: threading.Event | None = None) -> int:
     if stop is None:
         stop_on_signals(waiter)
     clock = SimClock(cfg.time_scale)
-    workdir = Path(tempfile.mkdtemp(prefix="dra-demo-"))
-    cluster = DemoCluster(scenario, clock, workdir)
-    agent = None
+    cluster = DemoCluster(scenario, clock, Path(tempfile.mkdtemp(prefix="dra-demo-")))
     try:
         cluster.start()
-        acfg = dataclasses.replace(
-            cfg,
-            node_name=scenario.node,
-            kubelet_socket=cluster.socket,
-            kubeconfig=str(cluster.kubeconfig),
+        agent = cluster.start_agent(
+            cfg, health_policy=DEMO_POLICY, remediation_resync=max(1.0, cfg.interval),
             taint_hold_seconds=min(cfg.taint_hold_seconds, DEMO_HOLD),
         )
-        backend = SimBackend(scenario, clock)
-        agent = build_agent(acfg, backend=backend, clock=clock.epoch, health_policy=DEMO_POLICY, remediation_resync=max(1.0, cfg.interval))
-        agent.start()
         gpus = len(scenario.gpus)
         migs = sum(len(g.mig) for g in scenario.gpus)
         print(
@@ -235,7 +217,7 @@ def run_demo(cfg: Config, stop: threading.Event | None = None) -> int:
             flush=True,
         )
         period = max(5.0, 60.0 / cfg.time_scale)
-        hold = acfg.taint_hold_seconds
+        hold = agent.cfg.taint_hold_seconds
         print(summary_line(agent, cluster, hold), flush=True)
         while not waiter.wait(period):
             print(summary_line(agent, cluster, hold), flush=True)
@@ -244,8 +226,6 @@ def run_demo(cfg: Config, stop: threading.Event | None = None) -> int:
         print(f"dra-gpu-exporter: error: {e}", file=sys.stderr)
         return 1
     finally:
-        if agent is not None:
-            agent.stop()
         cluster.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(cluster.workdir, ignore_errors=True)
         print("demo stopped; temporary files removed", flush=True)

@@ -19,7 +19,8 @@ from typing import Any
 
 import yaml
 
-from ..config import one_line
+from exporter.config import one_line
+from exporter.devices.model import normalize_pci_bus_id
 
 DRIVER = "gpu.nvidia.com"
 _NS = uuidlib.UUID("6f1c2f4e-1d0b-4c55-9a57-8a3c0e1d2b7a")
@@ -348,8 +349,6 @@ def _parse_gpu(i: int, raw: Any, node: str) -> GpuSpec:
         raise ScenarioError(f"{where}.uuid: expected GPU-<hex uuid>, got {_show(uid)}")
     memory = parse_bytes(o.get("memory", "80Gi"), f"{where}.memory")
     pci = o.str("pci_bus_id", "%04x:%02x:00.0" % (i // 200, 0x18 + i % 200))
-    from ..devices.model import normalize_pci_bus_id
-
     pci_n = normalize_pci_bus_id(pci)
     if not re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]", pci_n):
         raise ScenarioError(f"{where}.pci_bus_id: expected a PCI address like 0000:1b:00.0, got {_show(pci)}")

@@ -11,8 +11,10 @@ or slow requests, dropped watches) and a request log for tests to assert on.
     ...
     server.stop()
 
-Module layout: catalog (which versions exist), store (revisions, history), registry (verbs),
-strategy (defaulting, validation), convert (v1beta1 shapes), selectors, patch, faults.
+Module layout: this facade; state (what the HTTP side acts on: store, registry, faults, open
+connections and watches); http (routing, responses, watch streams); catalog (which versions
+exist), store (revisions, history), registry (verbs), strategy (defaulting, validation), convert
+(v1beta1 shapes), selectors, patch, faults.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .apiserver_faults import LOG_LIMIT, FaultInjector, RequestRecord
 from .apiserver_http import ApiHTTPServer, ApiRequestHandler
 from .apiserver_registry import Registry, Target, Validator
 from .apiserver_selectors import Selector
+from .apiserver_state import ServerState
 from .apiserver_store import ApiError, Store
 
 __all__ = ["ApiError", "FakeApiServer", "RequestRecord", "Validator"]
@@ -47,41 +50,55 @@ class FakeApiServer:
                  validator: Validator | None = None, request_log_size: int = LOG_LIMIT) -> None:
         """served_versions: "group/version" strings ("v1" for core) replacing the release's
         default set, e.g. {"v1", "resource.k8s.io/v1beta1"}; must exist in that release."""
-        self.release = parse_release(kubernetes_version)
-        self.kubernetes_version = f"1.{self.release}"
-        self._gvs: list[GroupVersion] = served_group_versions(self.release, served_versions)
-        self.bookmark_interval = bookmark_interval
-        self.default_watch_timeout = default_watch_timeout
-        self.require_token = require_token
-        self.store = Store(history_size)
-        self.registry = Registry(self.store, self.release)
-        self.registry.validator = validator
-        self.faults = FaultInjector(log_size=request_log_size)  # the newest requests, for tests
+        release = parse_release(kubernetes_version)
+        store = Store(history_size)
+        registry = Registry(store, release)
+        registry.validator = validator
+        self.kubernetes_version = f"1.{release}"
+        # The HTTP side (apiserver_http) acts on this state; this class is the facade over it.
+        self.state = ServerState(
+            release, served_group_versions(release, served_versions), store, registry,
+            FaultInjector(log_size=request_log_size),  # the newest requests, for tests
+            bookmark_interval=bookmark_interval, default_watch_timeout=default_watch_timeout,
+            require_token=require_token,
+        )
         self._httpd: ApiHTTPServer | None = None
         self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._conn_lock = threading.Lock()
-        self._connections: set[socket.socket] = set()
-        self._resets: set[int] = set()
-        self._watch_epoch = 0  # bumped by close_watches(); each watch remembers its epoch
-        self._watch_close_mode = "end"
-        self._open_watches = 0
-        self.url = ""
+
+    @property
+    def release(self) -> int:
+        return self.state.release
+
+    @property
+    def store(self) -> Store:
+        return self.state.store
+
+    @property
+    def registry(self) -> Registry:
+        return self.state.registry
+
+    @property
+    def faults(self) -> FaultInjector:
+        return self.state.faults
+
+    @property
+    def url(self) -> str:
+        return self.state.url
 
     # ------------------------------------------------------------ lifecycle
 
     def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         if self._httpd is not None:
             raise RuntimeError("already started")
-        self._stopping.clear()
+        self.state.stopping.clear()
         httpd = ApiHTTPServer((host, port), ApiRequestHandler)
-        httpd.app = self
+        httpd.state = self.state
         self._httpd = httpd
         self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="fake-apiserver", daemon=True)
         self._thread.start()
         bound_host, bound_port = httpd.server_address[:2]
-        self.url = f"http://{bound_host}:{bound_port}"
+        self.state.url = f"http://{bound_host}:{bound_port}"
         log.info("apiserver.started", url=self.url, kubernetes=self.kubernetes_version,
                  served=self.served_versions)
         return self.url
@@ -90,13 +107,11 @@ class FakeApiServer:
         httpd, self._httpd = self._httpd, None
         if httpd is None:
             return
-        self._stopping.set()
+        self.state.stopping.set()
         with self.store.lock:
             self.store.lock.notify_all()
         httpd.shutdown()
-        with self._conn_lock:
-            conns = list(self._connections)
-        for conn in conns:  # wake handler threads blocked on keep-alive reads
+        for conn in self.state.connections.open():  # wake handler threads blocked on keep-alive reads
             try:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -116,7 +131,7 @@ class FakeApiServer:
 
     @property
     def served_versions(self) -> list[str]:
-        return [gv.group_version for gv in self._gvs]
+        return [gv.group_version for gv in self.state.group_versions]
 
     # ------------------------------------------------------------ faults and the request log
 
@@ -147,12 +162,7 @@ class FakeApiServer:
     def close_watches(self, mode: str = "end") -> None:
         """End every open watch stream: "end" finishes the chunked response cleanly (like a
         server-side timeout), "reset" drops the connection."""
-        if mode not in ("end", "reset"):
-            raise ValueError("mode is 'end' or 'reset'")
-        with self.store.lock:
-            self._watch_close_mode = mode
-            self._watch_epoch += 1
-            self.store.lock.notify_all()
+        self.state.watches.close_all(mode)
 
     @property
     def requests(self) -> list[RequestRecord]:
@@ -164,8 +174,7 @@ class FakeApiServer:
 
     @property
     def open_watches(self) -> int:
-        with self.store.lock:
-            return self._open_watches
+        return self.state.watches.count()
 
     def set_validator(self, validator: Validator | None) -> None:
         """Install (or remove) a hook called with (apiVersion, kind, body) for the result of
@@ -188,7 +197,7 @@ class FakeApiServer:
         """The resource in `version`, or by default its most preferred served version
         (falling back to versions the release has but does not serve)."""
         candidates: list[tuple[int, int, GroupVersion, ResourceType]] = []
-        served = {gv.group_version for gv in self._gvs}
+        served = {gv.group_version for gv in self.state.group_versions}
         for gv in available_group_versions(self.release):
             rt = gv.find(resource)
             if gv.group != group or rt is None or (version and gv.version != version):

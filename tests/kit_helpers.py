@@ -1,0 +1,91 @@
+"""The test kit: waiting, fetching and process helpers every test uses (tests/ is on sys.path).
+
+    from kit_helpers import fetch, wait_until
+
+    status, body = fetch(agent.server.url + "/readyz")
+    wait_until(lambda: server.open_watches == 1, message="the watch")
+
+The simulated node the agent tests run against is ``drasim.node.SimulatedNode`` (the same rig
+the demo and the benchmarks use).
+
+Waits are for a state or an event, bounded by a generous deadline (the suite runs on busy
+2-core machines): a wait returns as soon as the state is reached, so a long deadline costs
+nothing when the test passes and only says how long to keep trying before calling it a failure.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+DEADLINE = 30.0  # seconds: the default for any wait (generous on purpose, see the module docstring)
+
+
+def wait_until(
+    check: Callable[[], T | None],
+    timeout: float = DEADLINE,
+    interval: float = 0.02,
+    message: str = "condition",
+    *,
+    ignore: tuple[type[BaseException], ...] = (),
+    fatal: tuple[type[BaseException], ...] = (),
+) -> T:
+    """Poll ``check`` until it returns something truthy, and return that.
+
+    An exception of a type in ``ignore`` (and not in ``fatal``) counts as "not yet", e.g.
+    ``ignore=(OSError,)`` while a server is still starting; the last one is reported if the
+    deadline passes. Any other exception propagates at once (an assert inside ``check`` fails
+    the test right away). Raises TimeoutError after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    last_error: BaseException | None = None
+    while True:
+        try:
+            value = check()
+            if value:
+                return value
+        except fatal:
+            raise
+        except ignore as exc:
+            last_error = exc
+        if time.monotonic() >= deadline:
+            detail = f" (last error: {last_error!r})" if last_error else ""
+            raise TimeoutError(f"timed out after {timeout:g}s waiting for {message}{detail}")
+        time.sleep(interval)
+
+
+def fetch(url: str, timeout: float = 10.0, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """GET ``url``: (status, body) for any HTTP status, 4xx/5xx included. A connection that
+    fails (refused, reset, timed out) raises OSError."""
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - loopback only
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago (the caller retries if it gets taken)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 15.0) -> int:  # type: ignore[type-arg]
+    """Ctrl-C a process (the demo cleans up on SIGINT), kill it if it does not end in
+    ``timeout`` seconds; its exit code."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
