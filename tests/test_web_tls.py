@@ -23,7 +23,8 @@ from exporter.metrics.render import Renderer, RenderState
 from exporter.metrics.server import MetricsServer
 from exporter.metrics.webconfig import WebConfigError, load_web_config, parse_web_config
 
-from prom_helpers import NO_PROMETHEUS_REASON, PROMETHEUS, PrometheusServer, free_port, http_get, wait_until
+from kit_helpers import fetch, free_port, wait_until
+from prom_helpers import NO_PROMETHEUS_REASON, PROMETHEUS, PrometheusServer
 
 PASSWORD = "s3cret-scrape"
 HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()  # cost 4: fast tests, same code path
@@ -241,13 +242,13 @@ def test_prometheus_scrapes_over_tls_with_basic_auth(tmp_path):
         )
     prom = PrometheusServer(url=f"http://127.0.0.1:{port}", config_path=cfg_path, data_dir=tmp_path / "tsdb", log_path=log_path, process=proc)
     try:
-        wait_until(lambda: http_get(f"{prom.url}/-/ready", timeout=2)[0] == 200, 60, what="prometheus ready")
+        wait_until(lambda: fetch(f"{prom.url}/-/ready", timeout=2)[0] == 200, 60, message="prometheus ready", ignore=(OSError,))
 
         def scraped():
             t = {x["labels"]["job"]: x for x in prom.targets()}
             return t if t.get("tls-auth", {}).get("health") == "up" and t.get("wrong-password", {}).get("health") == "down" else None
 
-        targets = wait_until(scraped, 90, what="tls-auth up and wrong-password down")
+        targets = wait_until(scraped, 90, message="tls-auth up and wrong-password down")
         assert "401" in targets["wrong-password"]["lastError"]
         assert prom.wait_for_query('dra_gpu_exporter_build_info{job="tls-auth"}', timeout=60)
     finally:
