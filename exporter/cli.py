@@ -12,7 +12,7 @@ from typing import Protocol, cast
 import structlog
 
 from . import __version__
-from .config import Config, ConfigError, build_parser, check_kubelet_socket, resolve
+from .config import Config, ConfigError, build_parser, check_kubelet_socket, one_line, resolve
 from .logs import configure
 
 log = structlog.get_logger("exporter")
@@ -52,6 +52,19 @@ def load_demo() -> DemoCommand | str:
     except ImportError as e:
         return f"the demo needs the simulator package (drasim), which is not installed here ({e}); the container image leaves it out: run the demo from `pip install dra-gpu-exporter`"
 
+
+
+def check_web_config(cfg: Config) -> str | None:
+    """One line saying what is wrong with --web-config-file, or None (also when there is none)."""
+    if not cfg.web_config_file:
+        return None
+    from .metrics.webconfig import WebConfigError, load_web_config
+
+    try:
+        load_web_config(cfg.web_config_file)
+    except WebConfigError as e:
+        return one_line(f"--web-config-file {cfg.web_config_file}: {e}")
+    return None
 
 
 # The DaemonSet's terminationGracePeriodSeconds is 10: the process must be gone before the
@@ -97,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = resolve(ns)
     except ConfigError as e:
         return _fail(str(e))
+    if (problem := check_web_config(cfg)) is not None:
+        return _fail(problem)
     configure(cfg.log_format, cfg.log_level)
     if demo is not None:
         return demo.run_demo(cfg)

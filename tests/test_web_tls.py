@@ -18,6 +18,7 @@ import pytest
 import trustme
 import yaml
 
+from exporter.cli import check_web_config
 from exporter.config import ConfigError, build_parser, resolve
 from exporter.metrics.render import Renderer, RenderState
 from exporter.metrics.server import MetricsServer
@@ -178,10 +179,12 @@ def test_basic_auth_with_bcrypt_and_headers(tmp_path):
 def test_bad_web_config_is_one_clear_line(tmp_path, doc, message):
     p = tmp_path / "web.yml"
     p.write_text(doc)
-    with pytest.raises(ConfigError) as e:
-        resolve(build_parser().parse_args(["--node-name", "n", "--web-config-file", str(p)]))
-    assert message in str(e.value) and "\n" not in str(e.value)
-    assert str(e.value).startswith(f"--web-config-file {p}: ")
+    cfg = resolve(build_parser().parse_args(["--node-name", "n", "--web-config-file", str(p)]))
+    problem = check_web_config(cfg)  # what the CLI prints before it starts anything (exit 2)
+    assert problem is not None and message in problem and "\n" not in problem, problem
+    assert problem.startswith(f"--web-config-file {p}: ")
+    with pytest.raises(ConfigError, match="no such file"):
+        resolve(build_parser().parse_args(["--node-name", "n", "--web-config-file", str(tmp_path / "missing.yml")]))
 
 
 def test_tls_settings_are_checked_at_start(tmp_path):
