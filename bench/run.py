@@ -1,6 +1,6 @@
 """Benchmarks for the README's Performance section. Not tests: numbers, printed as a table.
 
-    python bench/run.py [scrape] [cycle] [nvml] [xid] [soak] [series]   (default: all)
+    python bench/run.py [scrape] [cycle] [gzip] [nvml] [xid] [soak] [series]   (default: all)
     python bench/run.py soak --cycles 10000
 
 Runs on a simulated node of 64 devices (8 full GPUs + 8 GPUs with 7 MIG instances each),
@@ -34,15 +34,17 @@ from drasim.scenario import parse_scenario  # noqa: E402
 RESULTS: dict = {}
 
 
-def big_scenario(pods: int = 256, claims: int = 512, fault: bool = False) -> dict:
+def big_scenario(pods: int = 256, claims: int = 512, fault: bool = False, scale: int = 1) -> dict:
+    """The dense node: 8 full GPUs + 8 GPUs of 7 MIG instances (64 devices) per ``scale``."""
     gpus = []
-    for i in range(8):
+    n = 8 * scale
+    for i in range(n):
         gpus.append({"name": f"full{i}", "utilization": {"pattern": "sine", "base": 0.5, "amplitude": 0.4, "period": 60}, "memory_used": 0.5})
-    for i in range(8):
+    for i in range(n):
         gpus.append({"name": f"mig{i}", "mig": [{"profile": "1g.10gb", "placement_start": s, "utilization": 0.3, "memory_used": 0.2} for s in range(7)]})
-    refs = [f"full{i}" for i in range(8)] + [f"mig{i}:1g.10gb:{s}" for i in range(8) for s in range(7)]
-    assert len(refs) == 64
-    cl = [{"namespace": f"ns{(c // 2) % 16}", "name": f"claim-{c}", "devices": [refs[c % 64]]} for c in range(claims)]
+    refs = [f"full{i}" for i in range(n)] + [f"mig{i}:1g.10gb:{s}" for i in range(n) for s in range(7)]
+    assert len(refs) == 64 * scale
+    cl = [{"namespace": f"ns{(c // 2) % 16}", "name": f"claim-{c}", "devices": [refs[c % len(refs)]]} for c in range(claims)]
     per_pod = claims // pods
     pod_list = []
     for p in range(pods):
@@ -176,30 +178,81 @@ def bench_scrape(requests: int = 2000) -> None:
 # --------------------------------------------------------------------------- cycle
 
 
-def bench_cycle(cycles: int = 200) -> None:
+def _agent_process(sc: dict, mode: str, cycles: int, cpu_seconds: float) -> dict:
+    """Run bench/agent_process.py (the agent alone) against a kubelet and API emulation hosted
+    here; its one JSON line of measurements."""
+    import subprocess
+
+    from drasim.demo import DemoCluster
+
+    workdir = Path(tempfile.mkdtemp(prefix=f"bench-{mode}-"))
+    (workdir / "scenario.json").write_text(json.dumps(sc))
+    cluster = DemoCluster(parse_scenario(sc), SimClock(1.0), workdir)
+    cluster.start()
+    try:
+        cmd = [sys.executable, str(ROOT / "bench" / "agent_process.py"), "--mode", mode, "--scenario", str(workdir / "scenario.json"), "--socket", cluster.socket,
+               "--kubeconfig", str(cluster.kubeconfig), "--cycles", str(cycles), "--cpu-seconds", str(cpu_seconds)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        if done.returncode != 0:
+            raise SystemExit(f"agent process failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    finally:
+        cluster.stop()
+
+
+def eight_gpus() -> dict:
+    sc = big_scenario(pods=32, claims=32)
+    sc["gpus"] = sc["gpus"][:8]
+    sc["claims"] = [dict(c, devices=[f"full{i % 8}"]) for i, c in enumerate(sc["claims"])]
+    return sc
+
+
+def bench_cycle(cycles: int = 200, cpu_seconds: float = 20.0, scales: tuple[int, ...] = (1, 2, 4)) -> None:
+    """Cycle CPU of the agent alone, in its own process (bench/agent_process.py --mode cycle):
+    the kubelet and API emulations it talks to run here, in the parent, and their cost is not
+    counted. 8 GPUs, and the dense node at 1x, 2x, 4x (64 devices / 256 pods / 512 claims each)."""
+    rows = []
+    cases = [("8 GPUs, 32 pods, 32 claims", 8, eight_gpus())] + [
+        (f"dense {k}x: {64 * k} devices, {256 * k} pods, {512 * k} claims", 64 * k, big_scenario(pods=256 * k, claims=512 * k, scale=k)) for k in scales
+    ]
+    for label, devices, sc in cases:
+        r = _agent_process(sc, "cycle", cycles, cpu_seconds)
+        # allocatable devices (full GPUs and MIG instances); the agent also enumerates MIG parents
+        r["enumerated"], r["devices"], r["case"] = r["devices"], devices, label
+        rows.append(r)
+    dense = rows[1]  # the top-level keys: the dense node at 1x
+    RESULTS["cycle"] = {"devices": dense["devices"], "cycle_p99_ms": dense["cycle_wall_p99_ms"], "cycle_cpu_p50_ms": dense["cycle_cpu_p50_ms"], "rows": rows}
+    print("\ncycle, agent alone in its own process (process CPU time of all its threads per cycle; CPU % at a 1 s cadence):")
+    print("| node | series | cycle CPU p50 | cycle CPU p99 | CPU at 1 s | gzip per scraped cycle | first /metrics after exec | first /readyz |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['case']} | {r['series']} | {r['cycle_cpu_p50_ms']:.1f} ms | {r['cycle_cpu_p99_ms']:.1f} ms | {r['cpu_percent_1s_interval']:.2f} % "
+            f"| {r['gzip_openmetrics_ms']:.1f} ms | {r['first_metrics_since_exec_s']:.2f} s | {r['first_readyz'].splitlines()[0]} |"
+        )
+
+
+def bench_gzip(rounds: int = 30) -> None:
+    """CPU and size of gzip levels on the dense node's body (how GZIP_LEVEL was chosen)."""
+    import gzip
+
     node = Node(big_scenario(), interval=3600)
     node.start(serve=False)
     try:
-        wall, cpu = [], []
-        for _ in range(cycles):
-            c0, t0 = time.process_time(), time.perf_counter()
-            node.agent.run_cycle()
-            wall.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
-        st = node.agent.status
-        RESULTS["cycle"] = {
-            "devices": 64,
-            "cycle_p50_ms": pct(wall, 50) * 1e3,
-            "cycle_p99_ms": pct(wall, 99) * 1e3,
-            "cpu_per_cycle_ms": statistics.mean(cpu) * 1e3,
-            "cpu_per_device_us": statistics.mean(cpu) / 64 * 1e6,
-            "collectors_ms": {k: round(v.duration * 1e3, 3) for k, v in st.items()},
-        }
-        r = RESULTS["cycle"]
-        print(f"\ncycle (64 devices, 256 pods, 512 claims, sim backend): p50 {r['cycle_p50_ms']:.1f} ms, p99 {r['cycle_p99_ms']:.1f} ms, CPU {r['cpu_per_cycle_ms']:.1f} ms/cycle = {r['cpu_per_device_us']:.0f} us/device")
-        print("  last cycle by collector (ms):", r["collectors_ms"])
+        node.agent.run_cycle()
+        body = node.agent.renderer.render(node.agent.renderer.collector.state).openmetrics
     finally:
         node.stop()
+    rows = []
+    for level in (1, 3, 5, 6, 9):
+        cpu = []
+        for _ in range(rounds):
+            c0 = time.process_time()
+            out = gzip.compress(body, compresslevel=level)
+            cpu.append(time.process_time() - c0)
+        rows.append({"level": level, "cpu_ms": pct(cpu, 50) * 1e3, "bytes": len(out)})
+    RESULTS["gzip"] = {"body_bytes": len(body), "rows": rows}
+    print(f"\ngzip of the dense node's body ({len(body)} bytes):", ", ".join(f"level {r['level']}: {r['cpu_ms']:.1f} ms -> {r['bytes']} B" for r in rows))
 
 
 # --------------------------------------------------------------------------- nvml overhead
@@ -316,30 +369,22 @@ def bench_xid(samples: int = 200) -> None:
 # --------------------------------------------------------------------------- soak
 
 
-def bench_soak(cycles: int = 10000, cpu_seconds: float = 30.0) -> None:
-    """RSS after start and after N cycles (8 GPUs, 32 pods), and CPU at a 1 s interval, of the
-    agent alone: it runs in its own process (bench/agent_process.py) while this process hosts
-    the kubelet and API emulations it talks to."""
-    import subprocess
+def bench_soak(cycles: int = 10000, cpu_seconds: float = 30.0, dense: bool = True) -> None:
+    """RSS after start and after N cycles, and CPU at a 1 s interval, of the agent alone: it
+    runs in its own process (bench/agent_process.py) while this process hosts the kubelet and
+    API emulations it talks to. 8 GPUs (32 pods), and the dense node."""
+    cases = [("8 GPUs, 32 pods, 32 claims", eight_gpus())] + ([("dense: 64 devices, 256 pods, 512 claims", big_scenario())] if dense else [])
+    rows = []
+    for label, sc in cases:
+        r = _agent_process(sc, "soak", cycles, cpu_seconds)
+        r["case"] = label
+        rows.append(r)
+        _print_soak(label, r, cycles, cpu_seconds)
+    RESULTS["soak"] = {**rows[0], "rows": rows}  # top-level keys: 8 GPUs
 
-    from drasim.demo import DemoCluster
 
-    sc = big_scenario(pods=32, claims=32)
-    sc["gpus"] = sc["gpus"][:8]
-    sc["claims"] = [dict(c, devices=[f"full{i % 8}"]) for i, c in enumerate(sc["claims"])]
-    workdir = Path(tempfile.mkdtemp(prefix="bench-soak-"))
-    (workdir / "scenario.json").write_text(json.dumps(sc))
-    cluster = DemoCluster(parse_scenario(sc), SimClock(1.0), workdir)
-    cluster.start()
-    try:
-        cmd = [sys.executable, str(ROOT / "bench" / "agent_process.py"), "--scenario", str(workdir / "scenario.json"), "--socket", cluster.socket, "--kubeconfig", str(cluster.kubeconfig), "--cycles", str(cycles), "--cpu-seconds", str(cpu_seconds)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-        if done.returncode != 0:
-            raise SystemExit(f"agent process failed ({done.returncode}):\n{done.stderr[-4000:]}")
-        r = RESULTS["soak"] = json.loads(done.stdout.strip().splitlines()[-1])
-    finally:
-        cluster.stop()
-    print(f"\nsoak, agent alone in its own process (8 GPUs, 32 pods, 32 claims): interpreter {r['interpreter_mb']:.1f} MB, after imports {r['after_imports_mb']:.1f} MB")
+def _print_soak(label: str, r: dict, cycles: int, cpu_seconds: float) -> None:
+    print(f"\nsoak, agent alone in its own process ({label}): interpreter {r['interpreter_mb']:.1f} MB, after imports {r['after_imports_mb']:.1f} MB")
     print(f"  RSS {r['rss_start_mb']:.1f} MB after start, {r['rss_end_mb']:.1f} MB after {cycles} cycles (marks {r['rss_marks_mb']}), peak {r['peak_rss_mb']:.1f} MB; {cycles} cycles took {r['cycles_seconds']:.1f} s")
     print(f"  CPU at 1 s interval: {r['cpu_percent_1s_interval']:.2f}% of one core over {cpu_seconds:.0f} s")
 
@@ -385,7 +430,7 @@ def bench_series() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="Benchmarks for the README's Performance section.")
-    ap.add_argument("which", nargs="*", metavar="BENCH", help="scrape, scrape-attack, cycle, nvml, xid, soak, series (default: all but scrape-attack)")
+    ap.add_argument("which", nargs="*", metavar="BENCH", help="scrape, scrape-attack, cycle, gzip, nvml, xid, soak, series (default: all but scrape-attack)")
     ap.add_argument("--cycles", type=int, default=10000, help="soak: cycles between the two RSS readings")
     ap.add_argument("--requests", type=int, default=2000, help="scrape: requests per concurrency level")
     ap.add_argument("--cpu-seconds", type=float, default=30.0, help="soak: window for the CPU reading")
@@ -398,10 +443,11 @@ def main() -> None:
     fns = {
         "scrape": lambda: bench_scrape(a.requests),
         "scrape-attack": lambda: __import__("scrape_attack").bench(Node, big_scenario(), pct, RESULTS, a.requests, *((200, 20, 2, 2) if a.quick else ())),
-        "cycle": lambda: bench_cycle(10 if a.quick else 200),
+        "cycle": lambda: bench_cycle(10 if a.quick else 200, 2.0 if a.quick else 20.0, (1,) if a.quick else (1, 2, 4)),
+        "gzip": lambda: bench_gzip(3 if a.quick else 30),
         "nvml": lambda: bench_nvml(*((10, 1) if a.quick else ())),
         "xid": lambda: bench_xid(4 if a.quick else 200),
-        "soak": lambda: bench_soak(a.cycles, a.cpu_seconds),
+        "soak": lambda: bench_soak(a.cycles, a.cpu_seconds, dense=not a.quick),
         "series": bench_series,
     }
     unknown = [w for w in a.which if w not in fns]
@@ -409,7 +455,7 @@ def main() -> None:
         ap.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(fns)}")
     for w in a.which or [f for f in fns if f != "scrape-attack"]:  # the attack runs when named (minutes)
         fns[w]()
-    RESULTS["machine"] = {"cpus": os.cpu_count(), "python": sys.version.split()[0], "when": time.strftime("%Y-%m-%d"), "quick": a.quick}
+    RESULTS["machine"] = {"load_after": os.getloadavg(), "cpus": os.cpu_count(), "python": sys.version.split()[0], "when": time.strftime("%Y-%m-%d"), "quick": a.quick}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(RESULTS, indent=2, default=float))
 

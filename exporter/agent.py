@@ -20,12 +20,14 @@ from .devices.base import DeviceBackend
 from .devices.deadline import CallHung, DeadlineRunner
 from .devices.model import DeviceIdentity, DeviceReading, ReadError
 from .health.engine import HealthEngine, HealthPolicy
+from .health.starvation import StarvationMonitor
 from .k8s.model import ClaimInfo, PodInfo
 from .kubelet.model import AllocationSource, PodResourcesSnapshot
 from .metrics.render import Renderer, RenderState
 from .metrics.server import MetricsServer
 from .metrics.webconfig import load_web_config
 from .model.join import JoinInputs, join
+from .model.lost import lost_devices
 from .model.snapshot import Snapshot
 
 log = structlog.get_logger(__name__)
@@ -54,13 +56,19 @@ class Sources:
 
 class Agent:
     KUBELET_GRACE = 300.0  # seconds to keep the last allocations while the kubelet is unreachable
+    LIVENESS_FLOOR = 30.0  # no completed cycle for at least this long (and 6 intervals): sampler stuck
+    EVENT_STALL = 60.0  # the device event thread's loop (a wait with a timeout) not turning this long: stuck
 
     def __init__(self, cfg: Config, sources: Sources, clock: Callable[[], float] = time.time, health_policy: HealthPolicy | None = None) -> None:
         self.cfg = cfg
         self.src = sources
         self.clock = clock
-        self.health = HealthEngine(clock, health_policy)
+        self.health = HealthEngine(clock, health_policy or HealthPolicy(clear_hold=cfg.fault_clear_seconds))
         self.runner = DeadlineRunner()
+        # The agent's own CPU starvation is told apart from stuck device calls: a lag of half a
+        # deadline is starvation, and one keeps the agent "starved" long enough for a call that
+        # was only slow to come back once the agent runs again.
+        self.starvation = StarvationMonitor(threshold=max(0.05, cfg.call_timeout / 2), window=max(10.0, 5 * cfg.call_timeout))
         # Kubernetes API calls made inside a cycle (claims, pods) get their own lanes and
         # deadline, like device calls: a slow or black-holed API server (30 s read timeout per
         # request) must not stall device collection. Separate from ``runner`` so /readyz does
@@ -73,6 +81,10 @@ class Agent:
         self.snapshot: Snapshot | None = None
         self.cycles = 0
         self._identities: list[DeviceIdentity] = []
+        # GPUs (and their MIG devices) this node's ResourceSlices publish that the library
+        # does not enumerate: lost, with series and a fatal condition (see model/lost.py)
+        self._lost: dict[str, tuple[DeviceIdentity, Any]] = {}
+        self._topology: list[str] = []
         self._readings: dict[str, DeviceReading] = {}
         self._pods_snapshot: PodResourcesSnapshot | None = None
         self._pods_at: float | None = None
@@ -83,6 +95,7 @@ class Agent:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, serve: bool = True) -> None:
+        self.starvation.start()
         if serve:
             # First: /healthz answers and /readyz says "no device data yet" even while a
             # driver is slow to open or enumerate, instead of refusing connections.
@@ -90,7 +103,7 @@ class Agent:
                 self.cfg.listen_host,
                 self.cfg.listen_port,
                 self.readiness,
-                liveness=getattr(self, "liveness", None),  # Agent.liveness (team health) once merged
+                liveness=self.liveness,
                 web_config=load_web_config(self.cfg.web_config_file) if self.cfg.web_config_file else None,
             )
             self.server.start()
@@ -101,6 +114,7 @@ class Agent:
                 self.server.stop()
                 self.server = None
             raise
+        self._await_slices()
         self.run_cycle()
         self._thread = threading.Thread(target=self._loop, name="sampler", daemon=True)
         self._thread.start()
@@ -121,6 +135,20 @@ class Agent:
         if self.src.remediation is not None:
             self.src.remediation.start()
 
+    FIRST_LIST_WAIT = 2.0  # seconds the first cycle waits for the ResourceSlices' initial list
+
+    def _await_slices(self) -> None:
+        """Ready means joined: the first cycle renders device attribution only once the node's
+        ResourceSlices are listed, or it would publish "unresolved" and a degraded /readyz for a
+        whole interval. Bounded, and cut short by a failing list: an API outage must not hold
+        device metrics back (that cycle then reports the slices collector as failed)."""
+        w = self.src.slices
+        if w is None or w.synced:
+            return
+        deadline = time.monotonic() + self.FIRST_LIST_WAIT
+        while not w.synced and not w.last_error and time.monotonic() < deadline and not self._stop.is_set():
+            w.wait_synced(0.02)
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
@@ -138,11 +166,14 @@ class Agent:
             self.src.kubelet.close()
         self.runner.close()
         self.api_runner.close()
+        self.starvation.stop()
 
     def _loop(self) -> None:
         # Fixed-rate schedule: a slow cycle delays the next one, it does not shift them all.
         next_at = time.monotonic() + self.cfg.interval
         while not self._stop.wait(max(0.0, next_at - time.monotonic())):
+            # How late the sampler woke is one of the starvation signals.
+            self.starvation.note_lag("the sampler", time.monotonic() - next_at)
             try:
                 self.run_cycle()
             except Exception:
@@ -178,14 +209,18 @@ class Agent:
 
     def _read_devices(self) -> dict[str, DeviceReading]:
         backend = self.src.backend
-        idents = self.runner.call("enumerate", backend.enumerate, self.cfg.call_timeout)
+        try:
+            idents = self.runner.call("enumerate", backend.enumerate, self.cfg.call_timeout)
+        except CallHung as e:
+            if e.running_for is None:
+                self.starvation.note_unstarted("enumerate")
+            raise
         if [i.uuid for i in idents] != [i.uuid for i in self._identities]:
             gone = {i.uuid for i in self._identities} - {i.uuid for i in idents}
             for u in gone:
                 self.runner.retire(u)
             log.info("devices_enumerated", count=len(idents), gone=sorted(gone))
             self._identities = idents
-            self.health.set_topology(idents)
         readings: dict[str, DeviceReading] = {}
         # Devices are read one after another, each on its own lane: a hung device costs one
         # deadline per cycle, and only until its lane is known to be stuck (then it fails fast).
@@ -193,7 +228,7 @@ class Agent:
             try:
                 readings[ident.uuid] = self.runner.call(ident.uuid, lambda i=ident: backend.read(i), self.cfg.call_timeout)
             except CallHung as e:
-                readings[ident.uuid] = DeviceReading.failed(ident.uuid, ReadError.TIMEOUT, str(e))
+                readings[ident.uuid] = self._missed_deadline(ident.uuid, e)
             except Exception as e:  # a backend bug on one device must not cost the others
                 log.exception("device_read_failed", uuid=ident.uuid)
                 readings[ident.uuid] = DeviceReading.failed(ident.uuid, ReadError.ERROR, str(e))
@@ -205,6 +240,24 @@ class Agent:
             elif r.ok and prev is not None and not prev.ok:
                 log.info("device_readable_again", uuid=ident.uuid)
         return readings
+
+    def _missed_deadline(self, uuid: str, e: CallHung) -> DeviceReading:
+        """A read that missed its deadline: evidence against the device only when the call has
+        been running on its lane for ``--hung-after`` while the agent itself got CPU; else the
+        reading is ``late`` (no data, no condition)."""
+        if e.running_for is None:
+            self.starvation.note_unstarted(uuid)
+        hung_after = self.cfg.hung_after
+        starved = self.starvation.state()
+        if e.running_for is not None and e.running_for >= hung_after and not starved.starved:
+            return DeviceReading.failed(uuid, ReadError.TIMEOUT, f"{e}; stuck for {e.running_for:.1f}s (hung after {hung_after:g}s)")
+        if starved.starved:
+            why = f"the agent is starved of CPU ({starved.reason})"
+        elif e.running_for is None:
+            why = "the call never started"
+        else:
+            why = f"stuck for {e.running_for:.1f}s, driver_hung after {hung_after:g}s"
+        return DeviceReading.failed(uuid, ReadError.LATE, f"{e}: {why}")
 
     def _list_kubelet(self) -> PodResourcesSnapshot:
         snap = self.src.kubelet.list()
@@ -239,14 +292,19 @@ class Agent:
         if self.src.pods is not None:
             pods = self._collect("pods", self._list_pods) or []
 
-        self.health.observe(self._identities, self._readings)
+        identities, all_readings = self._with_lost(slices, enumerated=readings is not None)
+        uuids = [i.uuid for i in identities]
+        if uuids != self._topology:
+            self.health.set_topology(identities)
+            self._topology = uuids
+        self.health.observe(identities, all_readings)
         health = self.health.all_health()
         snap = join(
             JoinInputs(
                 node=self.cfg.node_name,
                 timestamp=self.clock(),
-                identities=tuple(self._identities),
-                readings=self._readings,
+                identities=tuple(identities),
+                readings=all_readings,
                 health=health,
                 allocations=tuple(allocations),
                 slices=slices,
@@ -269,6 +327,25 @@ class Agent:
         self.status["cycle"] = CollectorStatus(duration=time.perf_counter() - t0, success=True, last_success=time.monotonic())
         self.publish(process_memory)
         return snap
+
+    def _with_lost(self, slices: dict | None, enumerated: bool) -> tuple[list[DeviceIdentity], dict[str, DeviceReading]]:
+        """The enumerated devices plus the lost ones the slices publish. Re-decided only in a
+        cycle whose enumeration succeeded and whose slices are listed; otherwise the last
+        decision stands (a failed enumeration tells nothing about single GPUs)."""
+        if slices is not None and enumerated:
+            lost = lost_devices(slices, self._identities)
+            for u in sorted(lost.keys() - self._lost.keys()):
+                ident, dev = lost[u]
+                log.error("gpu_lost_not_enumerated", uuid=u, device=dev.name, pool=dev.pool, parent=ident.parent_uuid or None)
+            for u in sorted(self._lost.keys() - lost.keys()):
+                log.info("gpu_found_again", uuid=u)
+            self._lost = lost
+        if not self._lost:
+            return list(self._identities), self._readings
+        readings = dict(self._readings)
+        for u, (ident, dev) in self._lost.items():
+            readings[u] = DeviceReading.failed(u, ReadError.LOST, f"published by ResourceSlice device {dev.pool}/{dev.name} but not found by the device library")
+        return list(self._identities) + [ident for ident, _ in self._lost.values()], readings
 
     def _api_deadline(self) -> float:
         return max(self.cfg.call_timeout, 0.5)
@@ -314,7 +391,10 @@ class Agent:
         """Render the current state and hand the bytes to the HTTP server."""
         rem = self.src.remediation
         xid_counts, read_errors = self.health.counters()  # one consistent copy under the lock
+        starved = self.starvation.state()
         state = RenderState(
+            starved=starved.starved,
+            scheduling_lag=starved.lag_seconds,
             snapshot=self.snapshot,
             xid_counts=xid_counts,
             read_errors=read_errors,
@@ -350,7 +430,17 @@ class Agent:
         problems = [f"{n}: {s.error}" for n, s in sorted(self.status.items()) if not s.success and s.error and n != "devices"]
         hung = self.runner.hung_lanes()
         if hung:
-            problems.append("hung device calls: " + ", ".join(f"{k} ({v:.0f}s)" for k, v in sorted(hung.items())))
+            stuck = {k: self.runner.running_for(k) for k in hung}
+            long = {k: v for k, v in hung.items() if (stuck[k] or 0.0) >= self.cfg.hung_after}
+            slow = {k: v for k, v in hung.items() if k not in long}
+            if long:
+                problems.append("hung device calls: " + ", ".join(f"{k} ({v:.0f}s)" for k, v in sorted(long.items())))
+            if slow:
+                problems.append(f"slow device calls (hung after {self.cfg.hung_after:g}s): " + ", ".join(f"{k} ({v:.0f}s)" for k, v in sorted(slow.items())))
+        starved = self.starvation.state()
+        if starved.starved:
+            # The agent's problem, not a device's: late reads are not held against the GPUs.
+            problems.append(f"agent starved of CPU: {starved.reason}; worst scheduling lag {starved.lag_seconds:.2f}s")
         if dev is None or dev.last_success is None:
             return False, "not ready: no successful device collection yet" + (f" ({dev.error})" if dev and dev.error else "")
         if self.server is not None and not self.server.published:
@@ -359,10 +449,30 @@ class Agent:
             return False, "not ready: first collection cycle still rendering"
         age = time.monotonic() - dev.last_success
         if age > limit:
-            return False, f"not ready: last successful device collection {age:.1f}s ago (limit {limit:.1f}s): {dev.error or 'sampler stalled'}"
+            why = f"not ready: last successful device collection {age:.1f}s ago (limit {limit:.1f}s): {dev.error or 'sampler stalled'}"
+            return False, why + "".join(f"\n{p}" for p in problems if p.startswith("agent starved"))
         if problems:
             return True, "ready (degraded)\n" + "\n".join(problems)
         return True, "ready"
+
+
+    def liveness(self) -> tuple[bool, str]:
+        """Alive unless the sampler or the device event thread is stuck: a restart is the cure
+        only for those. A busy HTTP port, a slow API server or a hung device are not reasons
+        (the sampler goes on around them; /readyz reports them)."""
+        now = time.monotonic()
+        # A cycle costs at most one deadline per device plus the API lanes' deadlines (stuck
+        # lanes fail fast), so "several intervals" is counted on top of that.
+        limit = max(6 * self.cfg.interval, self.LIVENESS_FLOOR) + self.cfg.call_timeout * (len(self._identities) + 3)
+        cyc = self.status.get("cycle")
+        last = cyc.last_success if cyc is not None and cyc.last_success is not None else self._started
+        if self._thread is not None and now - last > limit:
+            what = "since the agent started" if cyc is None else "ago"
+            return False, f"not alive: sampler stuck, last collection cycle completed {now - last:.0f}s {what} (limit {limit:.0f}s)"
+        beat = self.src.backend.event_heartbeat()
+        if beat is not None and now - beat > self.EVENT_STALL:
+            return False, f"not alive: device event thread stuck, last turn of its loop {now - beat:.0f}s ago (limit {self.EVENT_STALL:.0f}s)"
+        return True, "ok"
 
 
 class Degraded(Exception):

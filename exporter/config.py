@@ -82,6 +82,10 @@ class Config:
     taint_budget_max: int = 16
     taint_hold_seconds: float = 1800.0  # healthy time before a rule steps down
     node_failure_fraction: float = 0.5  # this share of a node's GPUs failing at once = node fault
+    # health evidence (team health): how long a device call must stay stuck before the device
+    # counts as hung (driver_hung, fatal), and how long a fatal fault stays after a GPU reset
+    hung_after: float = 30.0
+    fault_clear_seconds: float = 120.0
     # HTTP endpoint: TLS, client certificates, basic auth (exporter-toolkit format)
     web_config_file: str | None = None
     # demo only
@@ -257,6 +261,9 @@ def _add_common(p: argparse.ArgumentParser, demo: bool = False) -> None:
     p.add_argument("--taint-rate-limit", metavar="N", help="new NoExecute rules per node per 10 minutes (default 2)")
     p.add_argument("--taint-budget-fraction", metavar="F", help="cluster share of GPUs under NoExecute before suppression (default 0.05)")
     p.add_argument("--taint-hold-seconds", metavar="S", help="healthy time before a rule steps down (default 1800)")
+    # health evidence
+    p.add_argument("--hung-after", metavar="SECONDS", help="a device call stuck this long, while the agent itself gets CPU, makes the device driver_hung (fatal) (default 30)")
+    p.add_argument("--fault-clear-seconds", metavar="SECONDS", help="a fatal fault clears this long after a GPU reset, a polled fault this long after it was last seen (default 120)")
     p.add_argument("--web-config-file", metavar="PATH", help="TLS, client-certificate and basic-auth settings for the HTTP endpoint, in the Prometheus exporter-toolkit format")
 
 
@@ -407,6 +414,11 @@ def _resolve(ns: argparse.Namespace, pick: Callable[..., str | None]) -> Config:
         kw["taint_budget_fraction"] = _positive_float("--taint-budget-fraction", v, 0, 1)
     if (v := pick("taint-hold-seconds")) is not None:
         kw["taint_hold_seconds"] = _positive_float("--taint-hold-seconds", v, 0, 7 * 86400)
+    # health evidence
+    if (v := pick("hung-after")) is not None:
+        kw["hung_after"] = _positive_float("--hung-after", v, 0, 3600)
+    if (v := pick("fault-clear-seconds")) is not None:
+        kw["fault_clear_seconds"] = _positive_float("--fault-clear-seconds", v, 0, 7 * 86400)
 
     if (v := pick("web-config-file")) is not None and v != "":
         # only that it exists here: its contents are checked by the CLI (exporter.metrics.webconfig,

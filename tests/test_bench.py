@@ -25,6 +25,10 @@ def test_quick_benchmark_run_reports_every_measurement(tmp_path: Path) -> None:
     assert [row["concurrency"] for row in r["scrape"]["rows"]] == [1, 10]
     assert all(row["metrics_p99_ms"] > 0 and row["static_p99_ms"] > 0 for row in r["scrape"]["rows"])
     assert r["cycle"]["devices"] == 64 and r["cycle"]["cycle_p99_ms"] > 0
+    # the cycle is measured in the agent's own process: 8 GPUs, then the dense node
+    assert [row["devices"] for row in r["cycle"]["rows"]] == [8, 64]
+    assert all(row["cycle_cpu_p99_ms"] > 0 and row["series"] > 0 for row in r["cycle"]["rows"])
+    assert [row["level"] for row in r["gzip"]["rows"]] == [1, 3, 5, 6, 9]
     # the raw baseline makes exactly the library calls one backend read makes
     assert r["nvml"]["calls_per_read"]["nvmlDeviceGetFieldValues"] == 1.0
     assert r["nvml"]["raw_us"] > 0 and r["nvml"]["backend_us"] > 0
@@ -35,7 +39,7 @@ def test_quick_benchmark_run_reports_every_measurement(tmp_path: Path) -> None:
     assert r["series"]["lean (--exclude-metrics)"] < r["series"]["default"] < r["series"]["with pod labels"] < r["series"]["dcgm-compat labels"]
     assert r["machine"]["quick"] is True
     # the printed table names each part (the README quotes this output)
-    assert "scrape:" in done.stdout and "soak, agent alone" in done.stdout
+    assert "scrape:" in done.stdout and "soak, agent alone" in done.stdout and "cycle, agent alone" in done.stdout
 
 
 def test_unknown_benchmark_name_is_a_usage_error() -> None:

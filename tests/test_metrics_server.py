@@ -222,9 +222,12 @@ def test_hung_device_is_down_others_are_served_and_readyz_names_it():
         "hang",
     )
     a, b = sc.gpus
-    agent = Agent(config(call_timeout=0.5), Sources(backend=sim(sc, 1.0)))
+    # --hung-after 0: a call still stuck at its deadline is a hung device at once (unless the
+    # agent itself is starved, then a later cycle tells)
+    agent = Agent(config(call_timeout=0.5, hung_after=0), Sources(backend=sim(sc, 1.0)))
     with running(agent) as url:
-        agent.run_cycle()  # a second cycle: the stuck lane now fails fast
+        # more cycles: the stuck lane now fails fast
+        wait_for(lambda: (agent.run_cycle(), not agent.health.health(b.uuid).healthy)[1], timeout=60, what="driver_hung")
         _, _, body = fetch(url + "/metrics")
         status, _, ready = fetch(url + "/readyz")
     assert value(body, "gpu_up", uuid=b.uuid) == 0

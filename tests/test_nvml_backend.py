@@ -639,3 +639,48 @@ def replay(fixture: dict) -> None:
                             assert got == want, (uuid, cycle, attr)
         finally:
             backend.close()
+
+
+def test_event_instance_ids_map_to_the_mig_device_or_stay_on_the_gpu(nvml) -> None:
+    """(parent, GI, CI) -> that MIG device; a valid GI without a valid CI -> the GI's only MIG
+    device, or the GPU when the GI has several compute instances; unknown ids -> the GPU."""
+    migs = [
+        FakeMig(MIG_A, gpu_instance_id=1, compute_instance_id=0, profile="1g.10gb", gi_profile_id=19, placement_start=0),
+        FakeMig(MIG_B, gpu_instance_id=2, compute_instance_id=0, profile="2c.3g.40gb", gi_profile_id=9, slice_count=3, placement_start=4, placement_size=4, slot=2),
+        FakeMig(MIG_C, gpu_instance_id=2, compute_instance_id=1, profile="1c.3g.40gb", gi_profile_id=9, slice_count=3, placement_start=4, placement_size=4, slot=3),
+    ]  # fmt: skip
+    fake, backend = nvml([mig_gpu(migs), idle_gpu()])
+    backend.enumerate()
+    events: queue.Queue[DeviceEvent] = queue.Queue()
+    backend.start_events(events.put)
+    none = 0xFFFFFFFF
+    for gi, ci, want in [(2, 1, MIG_C), (2, 0, MIG_B), (1, none, MIG_A), (2, none, GPU0), (7, 0, GPU0), (none, none, GPU0)]:
+        fake.queue_event(GPU0, XID, data=13, gpu_instance_id=gi, compute_instance_id=ci)
+        ev = events.get(timeout=10)
+        assert (ev.uuid, ev.code) == (want, 13), (gi, ci)
+
+
+def test_field_value_decode_matches_pynvml_struct_access():
+    """The batch decode reads c_nvmlFieldValue_t memory with precompiled structs (the speed of
+    NvmlBackend.read); pynvml's own ctypes field access is the oracle, for every value type,
+    non-success returns and unknown types (value None)."""
+    import ctypes
+
+    import pynvml
+
+    from exporter.devices.nvml import _SUCCESS, _decode_batch
+
+    members = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
+    cases = [(0, 0, 3.25), (1, 0, 2**32 - 1), (2, 0, 2**63 + 5), (3, 0, 2**64 - 1), (4, 0, -(2**62)), (5, 0, -7), (6, 0, 65535), (1, 3, 9), (9, 0, 1)]
+    arr = (pynvml.c_nvmlFieldValue_t * len(cases))()
+    for entry, (vtype, ret, value) in zip(arr, cases):
+        entry.valueType, entry.nvmlReturn = vtype, ret
+        ctypes.memset(ctypes.addressof(entry.value), 0xAB, ctypes.sizeof(entry.value))  # garbage in unused bytes
+        if vtype in members:
+            setattr(entry.value, members[vtype], value)
+    want = []
+    for entry, (vtype, ret, _) in zip(arr, cases):
+        raw = pynvml.c_nvmlFieldValue_t.from_buffer_copy(entry)
+        want.append((ret, getattr(raw.value, members[vtype]) if ret == _SUCCESS and vtype in members else None))
+    assert _decode_batch(arr, len(cases)) == want
+    assert _decode_batch(arr, 3) == want[:3]

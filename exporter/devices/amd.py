@@ -28,6 +28,7 @@ import io
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -652,9 +653,17 @@ class AmdSmiBackend(DeviceBackend):
         )
         self._event_thread.start()
 
+    def event_heartbeat(self) -> float | None:
+        """The event thread's latest turn round its loop (None: no event thread running)."""
+        t = self._event_thread
+        if t is None or self._event_stop.is_set():
+            return None
+        return getattr(self, "_event_beat", None)
+
     def _event_loop(self, reader: Any, sink: EventSink) -> None:
         status = self._status
         while not self._event_stop.is_set():
+            self._event_beat = time.monotonic()  # liveness: the loop still turns
             try:
                 events = reader.read(self._event_poll_ms, 32)
             except Exception as exc:  # noqa: BLE001

@@ -49,5 +49,10 @@ class DeviceBackend(abc.ABC):
     def driver_version(self) -> str:
         return ""
 
+    def event_heartbeat(self) -> float | None:
+        """``time.monotonic()`` of the event thread's latest turn round its loop, for liveness;
+        None when the backend has no event thread (or it is not running)."""
+        return None
+
     def close(self) -> None:  # pragma: no cover - default: nothing to release
         """Stop event threads and release the library."""

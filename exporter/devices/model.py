@@ -45,7 +45,10 @@ class ReadError(str, enum.Enum):
 
     LOST = "lost"  # GPU fell off the bus / NVML_ERROR_GPU_IS_LOST
     UNKNOWN = "unknown"  # NVML_ERROR_UNKNOWN and friends
-    TIMEOUT = "timeout"  # a call did not return before its deadline (hung driver)
+    TIMEOUT = "timeout"  # a call has been stuck beyond --hung-after while the agent got CPU (hung driver)
+    # A call missed its deadline but that is no evidence against the device (yet): the agent
+    # was starved of CPU, the call never started, or it has not been stuck for --hung-after.
+    LATE = "late"
     GONE = "gone"  # the device disappeared from enumeration
     ERROR = "error"  # anything else
 

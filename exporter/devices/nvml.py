@@ -32,6 +32,7 @@ import math
 import re
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -201,13 +202,46 @@ _FV_STRUCT: Any = getattr(pynvml, "c_nvmlFieldValue_t", None)
 _VALUE_FORMAT = {0: "@d", 1: "@I", 2: "@L", 3: "@Q", 4: "@q", 5: "@i", 6: "@H"}  # NVML_VALUE_TYPE_*
 
 
-def _decode_batch(values: Any, count: int) -> list[tuple[int, int | float | None]]:
-    """(nvmlReturn, value) per entry of a c_nvmlFieldValue_t array; value None when the
-    return is not success or the value type is unknown."""
+_VALUE_STRUCTS = {k: struct.Struct(f) for k, f in _VALUE_FORMAT.items()}
+
+
+def _record_struct() -> struct.Struct | None:
+    """One c_nvmlFieldValue_t as (valueType, nvmlReturn, the 8 value bytes), or None if the
+    layout is not the one expected (then the entries are decoded field by field)."""
+    if _FV_STRUCT is None:
+        return None
     size = ctypes.sizeof(_FV_STRUCT)
     type_at, ret_at, value_at = _FV_STRUCT.valueType.offset, _FV_STRUCT.nvmlReturn.offset, _FV_STRUCT.value.offset
+    if ret_at != type_at + 4 or value_at < ret_at + 4 or size < value_at + 8:
+        return None
+    rec = struct.Struct(f"={type_at}xII{value_at - ret_at - 4}x8s{size - value_at - 8}x")
+    return rec if rec.size == size else None
+
+
+_FV_RECORD = _record_struct()
+
+
+def _decode_batch(values: Any, count: int) -> list[tuple[int, int | float | None]]:
+    """(nvmlReturn, value) per entry of a c_nvmlFieldValue_t array; value None when the
+    return is not success or the value type is unknown.
+
+    Read straight from the array's memory with precompiled structs, one unpack per entry:
+    pynvml's per-attribute accessors on the ctypes structs cost more than the library call.
+    """
     buf = memoryview(values).cast("B")
     out: list[tuple[int, int | float | None]] = []
+    if _FV_RECORD is not None:
+        structs = _VALUE_STRUCTS
+        for vtype, ret, raw in _FV_RECORD.iter_unpack(buf[: count * _FV_RECORD.size]):
+            value = None
+            if ret == _SUCCESS:
+                st = structs.get(vtype)
+                if st is not None:
+                    value = st.unpack_from(raw)[0]
+            out.append((ret, value))
+        return out
+    size = ctypes.sizeof(_FV_STRUCT)
+    type_at, ret_at, value_at = _FV_STRUCT.valueType.offset, _FV_STRUCT.nvmlReturn.offset, _FV_STRUCT.value.offset
     for i in range(count):
         base = i * size
         (ret,) = struct.unpack_from("@I", buf, base + ret_at)
@@ -874,8 +908,16 @@ class NvmlBackend(DeviceBackend):
         t.start()
         log.info("nvml_events_started", devices=len(registered))
 
+    def event_heartbeat(self) -> float | None:
+        """The event thread's latest turn round its loop (None: no event thread running)."""
+        t = self._event_thread
+        if t is None or self._stop.is_set():
+            return None
+        return getattr(self, "_event_beat", None)
+
     def _event_loop(self, es: Any, sink: EventSink, registered: dict[int, str]) -> None:
         while not self._stop.is_set():
+            self._event_beat = time.monotonic()  # liveness: the loop still turns
             try:
                 data = pynvml.nvmlEventSetWait_v2(es, self._event_wait_ms)
             except pynvml.NVMLError_Timeout:
@@ -924,7 +966,11 @@ class NvmlBackend(DeviceBackend):
         if not migs:
             return parent
         exact = [m for m in migs if m.compute_instance_id == ci]
-        return (exact or migs)[0].uuid
+        if exact:
+            return exact[0].uuid
+        # No valid compute instance: the GPU instance's only MIG device if it has one; with
+        # several compute instances the fault cannot be pinned on one, so it stays on the GPU.
+        return migs[0].uuid if len(migs) == 1 else parent
 
     def _probe_lost(self, sink: EventSink) -> None:
         for address, uuid in list(self._event_handles.items()):

@@ -11,8 +11,14 @@ Two kinds of evidence:
   ``clear_hold``; a degraded one until it has been quiet for ``event_quiet``; an informational
   one expires after ``info_quiet``.
 
+Scope: a fault is booked on the unit it takes down. Most faults are physical: an event on a MIG
+instance is a fact about its GPU, and the GPU's conditions show on all its instances. An XID
+that NVML attributes to one MIG instance and that is not GPU-wide by nature
+(:func:`exporter.health.xid.xid_scope`) is booked, counted and escalated on that instance
+alone (``Scope.INSTANCE``): its siblings and the parent stay healthy.
+
 Repeats escalate: the same informational XID ``info_repeat`` times within ``repeat_window`` on
-one GPU becomes degraded, a degraded condition seen ``degraded_repeat`` times becomes fatal.
+one device becomes degraded, a degraded condition seen ``degraded_repeat`` times becomes fatal.
 Only the latest ``max(info_repeat, degraded_repeat)`` times of a reason are kept: that is all
 escalation needs, so an XID storm costs no memory per event.
 A GPU that goes unhealthy again ``sticky_after`` times within ``sticky_window`` is *sticky*: it
@@ -36,8 +42,8 @@ from typing import Callable, Iterable, Mapping
 import structlog
 
 from ..devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction
-from .model import Condition, DeviceHealth, Tier
-from .xid import classify_xid
+from .model import Condition, DeviceHealth, Scope, Tier
+from .xid import classify_xid, xid_scope
 
 log = structlog.get_logger(__name__)
 
@@ -59,6 +65,9 @@ class HealthPolicy:
 class _EventCond:
     cond: Condition
     reset_seen: bool = False
+    # Restored from a DeviceTaintRule for a polled state (gpu_lost, driver_hung, ...): clears
+    # like a level, once the device has read clean for ``clear_hold`` after the restore.
+    level: bool = False
 
 
 @dataclass
@@ -76,7 +85,9 @@ class _DeviceState:
     failures: deque = field(default_factory=deque)  # times the device went unhealthy
     sticky: bool = False
     sticky_note: str = ""  # why, when not from this process's failure history (see mark_sticky)
+    sticky_instance: bool = False  # marked sticky as an instance-scoped fact (stays on the instance)
     last_reset: float | None = None
+    ok_since: float | None = None  # first of the current run of successful readings
 
 
 Listener = Callable[[str], None]
@@ -118,7 +129,7 @@ class HealthEngine:
             # fact about the GPU (and clearing the GPU must clear it).
             for child, parent in self._parents.items():
                 st = self._state.get(child)
-                if st is not None and st.sticky:
+                if st is not None and st.sticky and not st.sticky_instance:
                     st.sticky = False
                     gpu = self._state[parent]
                     if not gpu.sticky:
@@ -131,18 +142,30 @@ class HealthEngine:
         """Faults are physical: an event on a MIG instance is a fact about its GPU."""
         return self._parents.get(uuid, uuid)
 
+    def _target(self, ev: DeviceEvent) -> tuple[str, Scope]:
+        """The device an event is booked on. Only an XID can be instance-scoped: NVML attributes
+        nothing else to a GPU/compute instance (nvmlEventData_t), and a reset, a lost GPU, a
+        double-bit ECC error or a recovery action is about the GPU."""
+        parent = self._parents.get(ev.uuid)
+        if parent is not None and ev.kind == EventKind.XID and xid_scope(ev.code) == Scope.INSTANCE:
+            return ev.uuid, Scope.INSTANCE
+        return self._physical(ev.uuid), Scope.GPU
+
+    def _children(self, uuid: str) -> list[str]:
+        return [c for c, p in self._parents.items() if p == uuid]
+
     # -- evidence ----------------------------------------------------------------------------
     def on_event(self, ev: DeviceEvent) -> None:
         """Called from a backend's event thread."""
-        uuid = self._physical(ev.uuid)
         now = self.clock()
         reason, tier = "", None
         with self._lock:
+            uuid, scope = self._target(ev)
             st = self._state[uuid]
             if ev.kind == EventKind.XID:
                 self.xid_counts[(uuid, ev.code)] += 1
                 reason = f"xid_{ev.code}"
-                tier = self._event_condition(st, uuid, reason, classify_xid(ev.code), now, f"XID {ev.code} {ev.detail}".strip())
+                tier = self._event_condition(st, uuid, reason, classify_xid(ev.code), now, f"XID {ev.code} {ev.detail}".strip(), scope)
             elif ev.kind == EventKind.ECC_DBE:
                 reason = "ecc_double_bit"
                 tier = self._event_condition(st, uuid, reason, Tier.FATAL, now, "double-bit (uncorrectable) ECC error event")
@@ -158,7 +181,7 @@ class HealthEngine:
                 reason = "ras_error"
                 tier = self._event_condition(st, uuid, reason, Tier.DEGRADED, now, ev.detail or "RAS error event")
             elif ev.kind == EventKind.RESET:
-                self._observe_reset(st, now)
+                self._reset_gpu(uuid, now)
             self._update_transitions(uuid, st, now)
             # News (a new condition, a new tier, a reset) is logged at once; a repeat of what is
             # already known only counts towards the device's next summary line.
@@ -171,6 +194,8 @@ class HealthEngine:
                 summary = self._take_summary(uuid, st, now)
         if news:
             extra = {"instance": ev.uuid} if ev.uuid != uuid else {}
+            if scope == Scope.INSTANCE:
+                extra["scope"] = scope.value
             log.info("device_event", uuid=uuid, kind=ev.kind.value, code=ev.code, reason=reason or None, tier=tier.value if tier else None, **extra)
         if summary:
             log.info("device_events_repeated", **summary)
@@ -198,7 +223,15 @@ class HealthEngine:
                         summaries.append(s)
             for ident in identities:
                 if ident.is_partition:
-                    continue  # physical state lives on the parent
+                    # Physical state lives on the parent; an instance only has instance-scoped
+                    # event conditions, which age with time (a recovery counts for stickiness).
+                    ist = self._state.get(ident.uuid)
+                    if ist is not None:
+                        before = ist.was_healthy
+                        self._update_transitions(ident.uuid, ist, now)
+                        if ist.was_healthy != before:
+                            changed.append(ident.uuid)
+                    continue
                 r = readings.get(ident.uuid)
                 if r is None:
                     continue
@@ -217,6 +250,9 @@ class HealthEngine:
         levels: dict[str, tuple[Tier, str]] = {}
         if not r.ok:
             self.read_errors[(uuid, (r.error or ReadError.ERROR).value)] += 1
+            if r.error == ReadError.LATE:
+                # No news about the device either way: its conditions neither start nor clear.
+                return
             if r.error == ReadError.LOST:
                 levels["gpu_lost"] = (Tier.FATAL, r.error_detail or "GPU is lost")
             elif r.error == ReadError.TIMEOUT:
@@ -228,7 +264,7 @@ class HealthEngine:
                 # A lost device answers again: only a reset, reload or re-seat brings it back.
                 # A hung or erroring call that returns later is no such evidence: it must not
                 # release a fatal condition that waits for a reset.
-                self._observe_reset(st, now)
+                self._reset_gpu(uuid, now)
             tier = _recovery_tier(int(r.recovery_action)) if r.recovery_action is not None else None
             if tier is not None:
                 levels[f"recovery_action_{_ra_name(int(r.recovery_action))}"] = (tier, f"driver asks for {_ra_name(int(r.recovery_action))}")
@@ -243,12 +279,22 @@ class HealthEngine:
                     grew = r.ecc_uncorrectable_total - st.last_ecc_unc
                     self._event_condition(st, uuid, "ecc_uncorrectable_growth", self.policy.ecc_growth_tier, now, f"uncorrectable ECC errors grew by {grew} to {r.ecc_uncorrectable_total}")
                 st.last_ecc_unc = r.ecc_uncorrectable_total
+        if r.ok and st.ok_since is None:
+            st.ok_since = now
+        elif not r.ok:
+            st.ok_since = None
         st.last_ok = r.ok
         st.last_error = r.error if not r.ok else None
 
         for reason, (tier, evidence) in levels.items():
             old = st.levels.get(reason)
-            if old is None:
+            restored = st.events.get(reason)
+            if old is None and restored is not None and restored.level:
+                # Seen again after a restart: the polled state takes over the restored record,
+                # keeping when it was first seen.
+                del st.events[reason]
+                st.levels[reason] = replace(restored.cond, tier=max(tier, restored.cond.tier, key=lambda t: t.rank), evidence=evidence)
+            elif old is None:
                 st.levels[reason] = Condition(uuid=uuid, tier=tier, reason=reason, since=now, last_seen=now, evidence=evidence)
             elif reason in st.level_clean_since:
                 # Back during the hold: a new occurrence, i.e. new evidence.
@@ -267,13 +313,22 @@ class HealthEngine:
                 del st.level_clean_since[reason]
                 log.info("condition_cleared", uuid=uuid, reason=reason)
 
+    def _reset_gpu(self, uuid: str, now: float) -> None:
+        """A GPU reset resets every MIG instance on it: instance-scoped conditions waiting for a
+        reset see it too."""
+        self._observe_reset(self._state[uuid], now)
+        for child in self._children(uuid):
+            st = self._state.get(child)
+            if st is not None:
+                self._observe_reset(st, now)
+
     def _observe_reset(self, st: _DeviceState, now: float) -> None:
         st.last_reset = now
         for ec in st.events.values():
             ec.reset_seen = True
         st.last_ecc_unc = None  # counters restart after a reset
 
-    def _event_condition(self, st: _DeviceState, uuid: str, reason: str, tier: Tier, now: float, evidence: str) -> Tier | None:
+    def _event_condition(self, st: _DeviceState, uuid: str, reason: str, tier: Tier, now: float, evidence: str, scope: Scope = Scope.GPU) -> Tier | None:
         """Record one occurrence; return the condition's tier if it is news (a new condition, a
         new tier, the first since a reset), None for a repeat of what was known."""
         hist = st.history.get(reason)
@@ -291,10 +346,12 @@ class HealthEngine:
         old = st.events.get(reason)
         if old is not None and old.cond.tier.rank > tier.rank:
             tier = old.cond.tier  # never de-escalate on a repeat
+        # A fatal event means the device needs a reset: it holds until one is observed.
+        reset = tier == Tier.FATAL or (old is not None and old.cond.reset_required)
         cond = (
-            replace(old.cond, tier=tier, last_seen=now, evidence=evidence, count=old.cond.count + 1)
+            replace(old.cond, tier=tier, last_seen=now, evidence=evidence, count=old.cond.count + 1, reset_required=reset)
             if old
-            else Condition(uuid=uuid, tier=tier, reason=reason, since=now, last_seen=now, evidence=evidence)
+            else Condition(uuid=uuid, tier=tier, reason=reason, since=now, last_seen=now, evidence=evidence, scope=scope, reset_required=reset)
         )
         st.events[reason] = _EventCond(cond=cond, reset_seen=False)
         # A repeat after a reset is news too: it re-arms a condition that was about to clear.
@@ -305,7 +362,9 @@ class HealthEngine:
         for reason, ec in list(st.events.items()):
             quiet = now - ec.cond.last_seen
             t = ec.cond.tier
-            if t == Tier.FATAL:
+            if ec.level:
+                done = st.ok_since is not None and now - max(st.ok_since, ec.cond.last_seen) >= p.clear_hold
+            elif t == Tier.FATAL or ec.cond.reset_required:
                 done = ec.reset_seen and st.last_reset is not None and now - st.last_reset >= p.clear_hold and st.last_reset >= ec.cond.last_seen
             elif t == Tier.DEGRADED:
                 done = quiet >= p.event_quiet or (ec.reset_seen and st.last_reset is not None and now - st.last_reset >= p.clear_hold)
@@ -338,7 +397,8 @@ class HealthEngine:
             evidence = f"failed {len(st.failures)} times within {self.policy.sticky_window / 86400:g} days; clear by hand"
             if st.sticky_note and len(st.failures) < self.policy.sticky_after:
                 evidence = st.sticky_note
-            conds.append(Condition(uuid=uuid, tier=Tier.FATAL, reason="repeated_failures", since=first, last_seen=now, evidence=evidence, count=len(st.failures)))
+            scope = Scope.INSTANCE if uuid in self._parents else Scope.GPU
+            conds.append(Condition(uuid=uuid, tier=Tier.FATAL, reason="repeated_failures", since=first, last_seen=now, evidence=evidence, count=len(st.failures), scope=scope))
         conds.sort(key=lambda c: (-c.tier.rank, c.reason))
         return DeviceHealth(uuid=uuid, conditions=tuple(conds), sticky=st.sticky)
 
@@ -362,18 +422,55 @@ class HealthEngine:
             st = self._state.get(uuid)
             return st.last_reset if st else None
 
-    def mark_sticky(self, uuid: str, note: str) -> None:
+    def mark_sticky(self, uuid: str, note: str, scope: Scope = Scope.GPU) -> None:
         """Sticky without this process having seen the failures: the failure history lives
         in memory, so after a restart the sticky label on the device's DeviceTaintRule is the
-        record. ``note`` becomes the condition's evidence. A MIG instance marks its GPU."""
+        record. ``note`` becomes the condition's evidence. A MIG instance marks its GPU, unless
+        ``scope`` is ``Scope.INSTANCE`` (the instance failed too often on its own)."""
         with self._lock:
-            uuid = self._physical(uuid)
+            instance = scope == Scope.INSTANCE
+            uuid = uuid if instance else self._physical(uuid)
             st = self._state[uuid]
             if st.sticky:
                 return
-            st.sticky, st.sticky_note = True, note
+            st.sticky, st.sticky_note, st.sticky_instance = True, note, instance
             log.warning("device_sticky", uuid=uuid, note=note)
         self._notify([uuid])
+
+    def restore(self, uuid: str, reason: str, tier: Tier, since: float, evidence: str, reset_required: bool, scope: Scope | None = None) -> None:
+        """Re-create a condition read back from a DeviceTaintRule after a restart.
+
+        ``uuid`` is the device the rule is about. ``scope`` None: an instance's uuid restores an
+        instance-scoped condition when the topology knows it as an instance (else it is booked
+        on the GPU, as the GPU's own rule would). ``reset_required``: the condition holds until
+        a reset of the GPU is observed after the restore, then the usual ``clear_hold``; without
+        it a polled state (gpu_lost, driver_hung, ...) clears once the device has read clean for
+        ``clear_hold``, and an event condition ages as a fresh one would. Evidence seen again
+        merges with the restored condition (keeping the earlier ``since``)."""
+        with self._lock:
+            now = self.clock()
+            if scope is None:
+                scope = Scope.INSTANCE if uuid in self._parents and reason.startswith("xid_") and xid_scope(_xid_code(reason)) == Scope.INSTANCE else Scope.GPU
+            target = uuid if scope == Scope.INSTANCE else self._physical(uuid)
+            st = self._state[target]
+            old_level = st.levels.get(reason)
+            old = st.events.get(reason)
+            if old_level is not None:
+                # The state is already observed again: it keeps the restored start and tier.
+                st.levels[reason] = replace(old_level, since=min(since, old_level.since), tier=max(tier, old_level.tier, key=lambda t: t.rank))
+            else:
+                cond = Condition(uuid=target, tier=tier, reason=reason, since=since, last_seen=now, evidence=evidence, scope=scope, reset_required=reset_required)
+                if old is not None:
+                    cond = replace(
+                        old.cond,
+                        tier=max(tier, old.cond.tier, key=lambda t: t.rank),
+                        since=min(since, old.cond.since),
+                        reset_required=reset_required or old.cond.reset_required,
+                    )
+                st.events[reason] = _EventCond(cond=cond, reset_seen=False, level=not reset_required and _is_level(reason))
+            self._update_transitions(target, st, now)
+        log.info("condition_restored", uuid=target, reason=reason, tier=tier.value, scope=scope.value, reset_required=reset_required)
+        self._notify([target])
 
     def clear_sticky(self, uuid: str) -> None:
         """A person cleared the device. A MIG instance's uuid clears its GPU (and anything
@@ -385,9 +482,25 @@ class HealthEngine:
                 if st is not None and st.sticky:
                     st.sticky = False
                     st.sticky_note = ""
+                    st.sticky_instance = False
                     st.failures.clear()
                     log.info("sticky_cleared", uuid=u)
         self._notify(uuids)
+
+
+# Conditions that come from polled state (see _observe_reading), as opposed to events.
+LEVEL_REASONS = frozenset({"gpu_lost", "driver_hung", "driver_error", "row_remap_failure", "row_remap_pending", "retired_pages_pending"})
+
+
+def _is_level(reason: str) -> bool:
+    return reason in LEVEL_REASONS or reason.startswith("recovery_action_")
+
+
+def _xid_code(reason: str) -> int:
+    try:
+        return int(reason.removeprefix("xid_"))
+    except ValueError:
+        return -1
 
 
 def _ra_name(code: int) -> str:

@@ -16,15 +16,29 @@ class Tier(str, enum.Enum):
         return {Tier.INFORMATIONAL: 0, Tier.DEGRADED: 1, Tier.FATAL: 2}[self]
 
 
+class Scope(str, enum.Enum):
+    """The unit a fault takes down (see README "Fault scope")."""
+
+    GPU = "gpu"  # the physical GPU: every MIG instance / partition on it is affected
+    INSTANCE = "instance"  # one MIG instance only: its siblings and the parent stay healthy
+
+
 @dataclass(frozen=True)
 class Condition:
-    uuid: str  # the physical GPU (or whole device) the condition is about
+    # The device the fault is scoped to: the physical GPU's uuid for a GPU-wide fault, the MIG
+    # instance's own uuid for an instance-scoped one (``scope`` says which).
+    uuid: str
     tier: Tier
     reason: str  # short, stable, label-safe: xid_79, gpu_lost, ecc_uncorrectable_growth, ...
     since: float  # epoch seconds of first evidence
     last_seen: float  # latest evidence: the last event, or when a polled state last (re)appeared
     evidence: str = ""  # human text for Events and annotations
     count: int = 1
+    scope: Scope = Scope.GPU
+    # Clears only after a reset of the GPU has been observed (fatal device events, and fatal
+    # conditions restored from a DeviceTaintRule that recorded it); level conditions clear
+    # when the state has been clean for the clear hold.
+    reset_required: bool = False
 
 
 @dataclass(frozen=True)

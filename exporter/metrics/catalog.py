@@ -81,6 +81,8 @@ CATALOG: tuple[MetricDef, ...] = (
     _m("dra_gpu_exporter_collector_success", "gauge", "collector", "1 if the collector's last run succeeded"),
     _m("dra_gpu_exporter_last_collection_timestamp_seconds", "gauge", "", "When the last collection cycle finished"),
     _m("dra_gpu_exporter_cycles_total", "counter", "", "Collection cycles run"),
+    _m("dra_gpu_exporter_starved", "gauge", "", "1 while the agent itself is starved of CPU (scheduling lag, cgroup throttling, device calls that never started): its late device reads are not held against the GPUs"),
+    _m("dra_gpu_exporter_scheduling_lag_seconds", "gauge", "", "Worst lateness of the agent's own threads (scheduling-lag probe, sampler) over the starvation window"),
     # the HTTP server's own bounds (updated once per cycle)
     _m("dra_gpu_exporter_http_connections_open", "gauge", "", "HTTP connections open now"),
     _m("dra_gpu_exporter_http_connection_limit", "gauge", "", "Most HTTP connections held open at once (kept below the open-file limit)"),

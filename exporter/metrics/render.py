@@ -1,28 +1,47 @@
-"""Snapshot -> Prometheus exposition bytes.
+"""Snapshot -> Prometheus exposition bytes, incrementally.
 
 Rendering happens once per collection cycle, never per scrape: the HTTP handler serves the
 last rendered bytes. The collector below follows prometheus/client_python's custom-collector
-pattern (``collect()`` yields metric families) so the text format, escaping and ordering are
-the library's, not ours.
+pattern (``collect()`` yields metric families): prometheus_client's families, names, help and
+types are the contract, and its ``generate_latest`` (text 0.0.4 and OpenMetrics 1.0) is the
+oracle a property test compares our bytes with, byte for byte.
+
+Why not call ``generate_latest`` every cycle: it re-validates and re-escapes every label of
+every sample each time (~4,500 samples on a dense node, most of the cycle's CPU), while series
+come and go rarely and only about a third of the values change between cycles. So the
+:class:`Renderer` formats a series' ``name{labels} `` prefix once, when the series appears,
+re-formats a sample only when its value changed, and forgets a series (or a whole family) as
+soon as a cycle no longer yields it. It stays generic: any family the collector yields renders
+without changes here; families built with :class:`Gauge`/:class:`Counter` (what ``_fam``
+returns) take the fast path, anything else (histograms, timestamps, exemplars, ``_created``)
+is rendered by prometheus_client itself, family by family.
 """
 
 from __future__ import annotations
 
 import gzip
+import math
 import re
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.openmetrics import exposition as om_exposition
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from .. import __version__
 from ..devices.model import DeviceReading
 from ..model.snapshot import Snapshot
 from .catalog import BY_NAME
 from .webstats import HttpStats
+
+# gzip level for /metrics, chosen by measurement on the dense node's ~600 KB body
+# (bench/run.py gzip): level 1 costs about a third of level 5's CPU for a body ~25 % larger,
+# and the body is compressed at most once per cycle per format, not per scrape.
+GZIP_LEVEL = 1
 
 # Device series that dcgm-exporter-compatible labels are added to (--dcgm-compat-labels).
 COMPAT_LABELS = ("pod", "namespace", "container", "dra_claim_name", "dra_claim_namespace", "dra_driver_name", "dra_pool_name", "dra_device_name")
@@ -57,7 +76,86 @@ class RenderState:
     pod_label_allowlist: tuple[str, ...] = ()
     dcgm_compat: bool = False
     excluded: frozenset[str] = frozenset()  # catalog names left out (--exclude-metrics)
-    http: HttpStats | None = None  # the HTTP server's own counters; None when not serving
+    starved: bool | None = None  # the agent itself is starved of CPU (exporter.health.starvation)
+    scheduling_lag: float | None = None  # worst scheduling lag of the agent's threads, seconds
+    http: HttpStats | None = None  # the HTTP server's own counters (team endpoint); None when not serving
+
+
+class _RowFamily:
+    """A prometheus_client family that records ``add_metric`` calls as (labels, value) rows.
+
+    The renderer reads the rows directly. ``samples`` is still the library's: the first time
+    anyone reads it, the rows are replayed through the parent class's own ``add_metric``, so
+    ``generate_latest`` (the oracle), ``==`` and every other prometheus_client consumer see
+    exactly the samples the plain family would hold. A call the fast path does not cover
+    (timestamp, ``created``, exemplar, ``add_sample``) turns the family "plain": it becomes an
+    ordinary prometheus_client family and is rendered by the library.
+    """
+
+    _base: Any  # the prometheus_client family class whose add_metric we defer
+
+    def _init_rows(self) -> None:
+        self._rows: list[tuple[tuple[str, ...], Any]] = []
+        self._replayed = 0
+        self.plain = False
+        # -0.0 == 0.0 but the two print differently: a family holding one is never taken as
+        # "unchanged" by list equality (see Renderer._fast).
+        self.negative_zero = False
+
+    @property
+    def samples(self) -> list:  # type: ignore[override]
+        rows = self.__dict__.get("_rows")
+        if rows is not None and self._replayed < len(rows):
+            start, self._replayed = self._replayed, len(rows)
+            for labels, value in rows[start:]:
+                self._base.add_metric(self, labels, value)
+        return self._samples
+
+    @samples.setter
+    def samples(self, value: list) -> None:
+        self._samples = value
+
+    def _go_plain(self) -> None:
+        self.samples  # noqa: B018 - replay the rows first, keeping the samples' order
+        self.plain = True
+
+    def add_sample(self, *args: Any, **kw: Any) -> None:
+        self._go_plain()
+        Metric.add_sample(self, *args, **kw)  # type: ignore[arg-type]
+
+
+class Gauge(_RowFamily, GaugeMetricFamily):
+    _base = GaugeMetricFamily
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
+        GaugeMetricFamily.__init__(self, name, documentation, labels=labels)
+        self._init_rows()
+
+    def add_metric(self, labels: Sequence[str], value: float, timestamp: Any = None) -> None:
+        if self.plain or timestamp is not None:
+            self._go_plain()
+            GaugeMetricFamily.add_metric(self, labels, value, timestamp)
+        else:
+            self._rows.append((tuple(labels), value))
+            if not value and value.__class__ is float and math.copysign(1.0, value) < 0:
+                self.negative_zero = True
+
+
+class Counter(_RowFamily, CounterMetricFamily):
+    _base = CounterMetricFamily
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
+        CounterMetricFamily.__init__(self, name, documentation, labels=labels)
+        self._init_rows()
+
+    def add_metric(self, labels: Sequence[str], value: float, created: float | None = None, timestamp: Any = None, exemplar: Any = None) -> None:
+        if self.plain or created is not None or timestamp is not None or exemplar is not None:
+            self._go_plain()
+            CounterMetricFamily.add_metric(self, labels, value, created, timestamp, exemplar)
+        else:
+            self._rows.append((tuple(labels), value))
+            if not value and value.__class__ is float and math.copysign(1.0, value) < 0:
+                self.negative_zero = True
 
 
 def _fam(name: str, extra_labels: tuple[str, ...] = ()) -> Metric:
@@ -65,8 +163,8 @@ def _fam(name: str, extra_labels: tuple[str, ...] = ()) -> Metric:
     labels = ["node", *d.labels, *extra_labels]
     if d.kind == "counter":
         # CounterMetricFamily appends _total itself; the catalog carries the full name.
-        return CounterMetricFamily(name[: -len("_total")] if name.endswith("_total") else name, d.help, labels=labels)
-    return GaugeMetricFamily(name, d.help, labels=labels)
+        return Counter(name[: -len("_total")] if name.endswith("_total") else name, d.help, labels=labels)
+    return Gauge(name, d.help, labels=labels)
 
 
 _READING_GAUGES: tuple[tuple[str, str, float], ...] = (
@@ -137,6 +235,14 @@ class SnapshotCollector(Collector):
         c = _fam("dra_gpu_exporter_cycles_total")
         c.add_metric([node], st.cycles)
         yield c
+        if st.starved is not None:
+            sv = _fam("dra_gpu_exporter_starved")
+            sv.add_metric([node], 1 if st.starved else 0)
+            yield sv
+        if st.scheduling_lag is not None:
+            lag = _fam("dra_gpu_exporter_scheduling_lag_seconds")
+            lag.add_metric([node], st.scheduling_lag)
+            yield lag
         if st.http is not None:
             yield from self._http(node, st.http)
 
@@ -261,7 +367,7 @@ class SnapshotCollector(Collector):
         yield un
         if st.pod_label_allowlist:
             keys = st.pod_label_allowlist
-            lbl = GaugeMetricFamily(
+            lbl = Gauge(
                 "dra_pod_labels",
                 BY_NAME["dra_pod_labels"].help,
                 labels=["node", "namespace", "pod", *("label_" + _LABEL_KEY_RE.sub("_", k) for k in keys)],
@@ -306,25 +412,199 @@ class SnapshotCollector(Collector):
             yield a
 
 
-@dataclass(frozen=True)
 class Exposition:
-    body: bytes  # text format 0.0.4
-    gzipped: bytes
-    openmetrics: bytes = b"# EOF\n"  # OpenMetrics 1.0, ends with # EOF
-    openmetrics_gzipped: bytes = b""
+    """One cycle's bytes: the text format (0.0.4) and OpenMetrics 1.0, each also gzipped.
+
+    The two bodies are built by the render; each gzipped form is compressed on first use and
+    then kept, so it costs at most once per cycle (never per scrape), and only for the formats
+    that are actually scraped: Prometheus asks for one of the four.
+    """
+
+    __slots__ = ("body", "openmetrics", "gzip_level", "_gz", "_lock")
+
+    def __init__(self, body: bytes, openmetrics: bytes | None = None, gzip_level: int = GZIP_LEVEL, gzipped: bytes | None = None, openmetrics_gzipped: bytes | None = None) -> None:
+        self.body = body
+        self.openmetrics = openmetrics if openmetrics is not None else body
+        self.gzip_level = gzip_level
+        self._gz: dict[str, bytes] = {}
+        if gzipped is not None:
+            self._gz["body"] = gzipped
+        if openmetrics_gzipped is not None:
+            self._gz["openmetrics"] = openmetrics_gzipped
+        self._lock = threading.Lock()
+
+    def _compressed(self, which: str) -> bytes:
+        gz = self._gz.get(which)
+        if gz is None:
+            with self._lock:  # concurrent first scrapers wait for one compression, not ten
+                gz = self._gz.get(which)
+                if gz is None:
+                    gz = self._gz[which] = gzip.compress(getattr(self, which), compresslevel=self.gzip_level, mtime=0)
+        return gz
+
+    @property
+    def gzipped(self) -> bytes:
+        return self._compressed("body")
+
+    @property
+    def openmetrics_gzipped(self) -> bytes:
+        return self._compressed("openmetrics")
+
+
+class _One:
+    """A registry of one family, to let prometheus_client render a family we do not fast-path."""
+
+    def __init__(self, fam: Metric) -> None:
+        self.fam = fam
+
+    def collect(self) -> list[Metric]:
+        return [self.fam]
+
+
+_OM_EOF = "# EOF\n"
+_UNDERSCORES = om_exposition.UNDERSCORES
+_ALLOWUTF8 = om_exposition.ALLOWUTF8
+
+
+def _label_str(labelnames: tuple[str, ...], labels: tuple[str, ...]) -> str:
+    # The same escaping and ordering as prometheus_client's two generate_latest (label values
+    # escape backslash, newline and double quote; names sorted), built from the library's own
+    # escape functions. Identical for both formats.
+    if not labelnames or not labels:
+        return ""
+    items = sorted(dict(zip(labelnames, labels)).items())
+    return "{" + ",".join(f'{om_exposition.escape_label_name(k, _UNDERSCORES)}="{om_exposition._escape(v, _ALLOWUTF8, False)}"' for k, v in items) + "}"
 
 
 class Renderer:
-    """Owns the registry; ``render()`` turns the current state into cached bytes."""
+    """Owns the registry; ``render()`` turns the current state into cached bytes, incrementally."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, gzip_level: int = GZIP_LEVEL) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=False)
         self.collector = SnapshotCollector()
         self.registry.register(self.collector)
+        self.gzip_level = gzip_level
+        # (type, name, labelnames) -> {label values: series}; only what the last render yielded
+        self._series: dict[tuple, dict[tuple[str, ...], list]] = {}
+        # (type, name, labelnames) -> (rows, text chunk, OpenMetrics chunk) of the last render
+        self._chunks: dict[tuple, tuple[list, str, str]] = {}
+        # (type, name) -> (samples, documentation, unit, text, OpenMetrics) of other families
+        self._generic_last: dict[tuple, tuple] = {}
+        self._headers: dict[tuple, tuple[str, str, str, str]] = {}
 
     def render(self, state: RenderState) -> Exposition:
         self.collector.state = state
-        body = generate_latest(self.registry)
-        om = generate_openmetrics(self.registry)
-        # Compress once per cycle, not once per scrape: scrapers asking for gzip get these bytes.
-        return Exposition(body=body, gzipped=gzip.compress(body, compresslevel=5), openmetrics=om, openmetrics_gzipped=gzip.compress(om, compresslevel=5))
+        return self.render_families(self.registry.collect())
+
+    def render_families(self, families: Iterable[Metric]) -> Exposition:
+        """The exposition of ``families`` (what ``generate_latest`` would make of a registry
+        yielding them), reusing what the previous call formatted."""
+        text: list[str] = []
+        om: list[str] = []
+        series: dict[tuple, dict[tuple[str, ...], list]] = {}
+        chunks: dict[tuple, tuple[list, str, str]] = {}
+        generic: dict[tuple, tuple] = {}
+        for fam in families:
+            if isinstance(fam, _RowFamily) and not fam.plain:
+                self._fast(fam, text, om, series, chunks)
+            else:
+                self._generic(fam, text, om, generic)
+        om.append(_OM_EOF)
+        # Series and families not yielded this time are dropped here, at once.
+        self._series, self._chunks, self._generic_last = series, chunks, generic
+        if len(self._headers) > 4 * len(series) + 64:  # families with changing help or labels
+            self._headers.clear()
+        return Exposition("".join(text).encode("utf-8"), "".join(om).encode("utf-8"), self.gzip_level)
+
+    def _generic(self, fam: Metric, text: list[str], om: list[str], generic: dict) -> None:
+        """A family outside the fast path, rendered by prometheus_client itself; its bytes are
+        kept while its samples stay equal (a histogram changes only when a taint is written)."""
+        key = (fam.type, fam.name)
+        samples = list(fam.samples)
+        last = self._generic_last.get(key)
+        if (
+            last is not None
+            and key not in generic
+            and last[0] == samples
+            and last[1] == fam.documentation
+            and last[2] == fam.unit
+            and not any(s.value.__class__ is float and not s.value and math.copysign(1.0, s.value) < 0 for s in samples)
+        ):
+            generic[key] = last
+        else:
+            one = _One(fam)
+            last = (samples, fam.documentation, fam.unit, generate_latest(one).decode("utf-8"), om_exposition.generate_latest(one).decode("utf-8")[: -len(_OM_EOF)])  # type: ignore[arg-type]
+            generic.setdefault(key, last)
+        text.append(last[3])
+        om.append(last[4])
+
+    def _header(self, fam: Metric, hkey: tuple) -> tuple[str, str, str, str]:
+        """(text header, OpenMetrics header, text sample name, OpenMetrics sample name)."""
+        h = self._headers.get(hkey)
+        if h is None:
+            name, mtype = fam.name, fam.type
+            sample = name + "_total" if mtype == "counter" else name
+            tname = om_exposition.escape_metric_name(sample, _UNDERSCORES)
+            doc_text = fam.documentation.replace("\\", r"\\").replace("\n", r"\n")
+            text = f"# HELP {tname} {doc_text}\n# TYPE {tname} {mtype}\n"
+            oname = om_exposition.escape_metric_name(name, _UNDERSCORES)
+            doc_om = om_exposition._escape(fam.documentation, _ALLOWUTF8, om_exposition._is_legacy_labelname_rune)
+            om = f"# HELP {oname} {doc_om}\n# TYPE {oname} {mtype}\n"
+            if fam.unit:
+                om += f"# UNIT {oname} {fam.unit}\n"
+            h = self._headers[hkey] = (text, om, tname, om_exposition._escape(sample, _UNDERSCORES, om_exposition._is_legacy_labelname_rune))
+        return h
+
+    def _fast(self, fam: _RowFamily, text: list[str], om: list[str], series: dict, chunks: dict) -> None:
+        labelnames: tuple[str, ...] = fam._labelnames  # type: ignore[attr-defined]
+        key = (fam.type, fam.name, labelnames)  # type: ignore[attr-defined]
+        text_header, om_header, tname, oname = self._header(fam, (*key, fam.documentation, fam.unit))  # type: ignore[attr-defined]
+        text.append(text_header)
+        om.append(om_header)
+        rows = fam._rows
+        last = self._chunks.get(key)
+        if last is not None and key not in series and not fam.negative_zero and last[0] == rows:
+            # Most families do not change between cycles (info, allocation, claim and health
+            # series): one list comparison in C instead of a look-up per sample. Equal values
+            # print equally, except 0.0/-0.0 (excluded above) .
+            series[key] = self._series[key]
+            chunks[key] = last
+            text.append(last[1])
+            om.append(last[2])
+            return
+        prev = self._series.get(key, {})
+        cur = series.get(key)
+        if cur is None:
+            cur = series[key] = {}
+        # A series is [value, text line, OpenMetrics line, text prefix, OpenMetrics prefix].
+        # The two formats' sample lines differ only when the sample name escapes differently
+        # (never for legacy names), so usually one list of lines serves both bodies.
+        same = tname == oname
+        lines: list[str] = []
+        om_lines = lines if same else []
+        add, om_add = lines.append, om_lines.append
+        get, pget = cur.get, prev.get
+        for labels, value in rows:
+            s = get(labels)
+            if s is None:
+                s = pget(labels)
+                if s is None:
+                    ls = _label_str(labelnames, labels)
+                    s = [None, "", "", f"{tname}{ls} ", f"{oname}{ls} "]
+                cur[labels] = s
+            # Re-format only a changed value. 0 is always re-formatted: 0.0 == -0.0 but they
+            # print differently; NaN never equals itself; a new series' None equals no number.
+            if value != s[0] or not value:
+                v = floatToGoString(value)
+                s[0] = value
+                s[1] = f"{s[3]}{v}\n"
+                s[2] = s[1] if same else f"{s[4]}{v}\n"
+            add(s[1])
+            if not same:
+                om_add(s[2])
+        chunk = "".join(lines)
+        om_chunk = chunk if same else "".join(om_lines)
+        text.append(chunk)
+        om.append(om_chunk)
+        if not fam.negative_zero and key not in chunks:
+            chunks[key] = (rows, chunk, om_chunk)

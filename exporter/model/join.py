@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from ..devices.model import DeviceIdentity, DeviceReading
-from ..health.model import DeviceHealth
+from ..health.model import DeviceHealth, Scope
 from ..k8s.model import AllocatedDevice, ClaimInfo, PodInfo, SliceDevice
 from ..k8s.resolve import AMD_DRIVER, NVIDIA_DRIVER, DeviceIndex, Resolution, resolve, resolve_device_plugin
 from ..kubelet.model import AllocationSource, ContainerAllocation
@@ -47,14 +47,22 @@ def _allocated_from_claim(claim: ClaimInfo | None, key: DeviceKey) -> AllocatedD
 
 
 def effective_health(uuid: str, parent_uuid: str, health: Mapping[str, DeviceHealth]) -> DeviceHealth:
-    """A MIG instance or partition is only as healthy as the GPU it lives on."""
+    """A device's own conditions plus its GPU's GPU-wide ones.
+
+    A MIG instance or partition is only as healthy as the GPU it lives on; but a fault scoped
+    to one instance (an instance-scoped XID) is that instance's alone: it never shows on the
+    parent or on a sibling. A sticky GPU makes its instances sticky too.
+    """
     own = health.get(uuid) or DeviceHealth(uuid=uuid)
     if not parent_uuid or parent_uuid == uuid:
         return own
     parent = health.get(parent_uuid)
-    if parent is None or not parent.conditions:
+    if parent is None:
         return own
-    return DeviceHealth(uuid=uuid, conditions=own.conditions + parent.conditions, sticky=own.sticky or parent.sticky)
+    inherited = tuple(c for c in parent.conditions if c.scope == Scope.GPU)
+    if not inherited and not parent.sticky:
+        return own
+    return DeviceHealth(uuid=uuid, conditions=own.conditions + inherited, sticky=own.sticky or parent.sticky)
 
 
 def join(inp: JoinInputs) -> Snapshot:

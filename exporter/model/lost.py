@@ -1,0 +1,71 @@
+"""GPUs the node's ResourceSlices publish but the device library cannot see: lost GPUs.
+
+A GPU that fell off the bus before the agent started is not enumerated by NVML at all, so
+without this it would have no series, no condition and no rule, and a claim holding it would
+read healthy. NVIDIA's DRA driver publishes every GPU with its ``uuid`` attribute (``GPU-...``)
+and every static MIG device with ``uuid`` (``MIG-...``) and ``parentUUID``; a published GPU
+uuid (or MIG parent uuid) that the library's enumeration lacks is a lost GPU, and every MIG
+device published on it is lost with it. Its identity is rebuilt from the slice's
+attributes (product name, PCI bus id, driver version, minor, index, MIG profile) so it is
+exported like any other GPU, with ``gpu_up 0``.
+
+Only asked when enumeration succeeded: when the library cannot enumerate at all, nothing can be
+told apart (the devices collector fails and /readyz says so). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from ..devices.model import DeviceIdentity, Vendor, normalize_pci_bus_id
+from ..k8s.model import SliceDevice
+from ..k8s.resolve import NVIDIA_DRIVER, PCI_BUS_ID_ATTR
+
+DeviceKey = tuple[str, str, str]
+
+
+def _s(v: Any) -> str:
+    return v if isinstance(v, str) else ""
+
+
+def _i(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _identity(dev: SliceDevice, uuid: str, parent: str = "") -> DeviceIdentity:
+    idx = _i(dev.attr("index"))
+    return DeviceIdentity(
+        uuid=uuid,
+        vendor=Vendor.NVIDIA,
+        model=_s(dev.attr("productName")),
+        pci_bus_id=normalize_pci_bus_id(_s(dev.attr(PCI_BUS_ID_ATTR)) or _s(dev.attr("pcieBusID"))),
+        index=idx if idx is not None else -1,
+        minor=_i(dev.attr("minor")),
+        driver_version=_s(dev.attr("driverVersion")),
+        parent_uuid=parent,
+        mig_profile=_s(dev.attr("profile")) if parent else "",
+    )
+
+
+def lost_devices(slices: Mapping[DeviceKey, SliceDevice], identities: Iterable[DeviceIdentity]) -> dict[str, tuple[DeviceIdentity, SliceDevice]]:
+    """uuid -> (rebuilt identity, the slice device that publishes it), for every NVIDIA GPU the
+    slices publish and ``identities`` lack, and every MIG device published on such a GPU."""
+    local = {i.uuid for i in identities}
+    out: dict[str, tuple[DeviceIdentity, SliceDevice]] = {}
+    for key in sorted(slices):
+        dev = slices[key]
+        uuid = _s(dev.attr("uuid"))
+        if dev.driver == NVIDIA_DRIVER and uuid.startswith("GPU-") and uuid not in local and uuid not in out:
+            out[uuid] = (_identity(dev, uuid), dev)
+    for key in sorted(slices):
+        dev = slices[key]
+        uuid, parent = _s(dev.attr("uuid")), _s(dev.attr("parentUUID"))
+        if dev.driver != NVIDIA_DRIVER or not uuid or not parent.startswith("GPU-") or parent in local:
+            continue
+        # A MIG device lives on its GPU: when the GPU is lost, so is the instance. A GPU in MIG
+        # mode is published only through its MIG devices (static MIG): their parentUUID names it.
+        if parent not in out:
+            out[parent] = (_identity(dev, parent), dev)
+        if uuid not in local and uuid not in out:
+            out[uuid] = (_identity(dev, uuid, parent), dev)
+    return out
