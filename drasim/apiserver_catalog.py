@@ -97,6 +97,8 @@ def _core_types() -> tuple[ResourceType, ...]:
         ResourceType("", "pods", "Pod", "pod", True, ("po",),
                      status_subresource=True, reset_status_on_create=True),
         ResourceType("", "events", "Event", "event", True, ("ev",), has_generation=False),
+        # the agent's budget object and per-node state (issues 13, 16)
+        ResourceType("", "configmaps", "ConfigMap", "configmap", True, ("cm",), has_generation=False),
     )
 
 

@@ -316,9 +316,11 @@ class Agent:
         self.snapshot = snap
         if self.src.remediation is not None:
             self.src.remediation.update(snap)
-            rem = self.src.remediation
+            rep = self.src.remediation.report()
+            # A refused write (401, 403, 422) fails the collector too: remediation is off for
+            # that device and /readyz's body says why.
             self.status["remediation"] = CollectorStatus(
-                success=rem.ok or rem.last_error is None, error=rem.last_error or "", last_success=time.monotonic() if rem.ok else None
+                success=rep.healthy, error=rep.problem, last_success=time.monotonic() if rep.healthy else None
             )
         process_memory = {}
         if self.src.processes is not None:
@@ -389,7 +391,7 @@ class Agent:
 
     def publish(self, process_memory: dict | None = None) -> None:
         """Render the current state and hand the bytes to the HTTP server."""
-        rem = self.src.remediation
+        rep = self.src.remediation.report() if self.src.remediation is not None else None
         xid_counts, read_errors = self.health.counters()  # one consistent copy under the lock
         starved = self.starvation.state()
         state = RenderState(
@@ -401,13 +403,14 @@ class Agent:
             collectors={n: (s.duration, s.success) for n, s in self.status.items() if n != "cycle"},
             last_collection=self.clock(),
             cycles=self.cycles,
-            taint_rules=rem.rule_views() if rem is not None else (),
-            taint_actions=dict(rem.actions) if rem is not None else {},
-            taint_suppressed=dict(rem.suppressed) if rem is not None else {},
-            budget_exhausted=rem.budget_exhausted if rem is not None else None,
+            taint_rules=rep.rules if rep is not None else (),
+            taint_actions=rep.actions if rep is not None else {},
+            taint_suppressed=rep.suppressed if rep is not None else {},
+            budget_exhausted=rep.budget_exhausted if rep is not None else None,
+            taint_writes_refused=len(rep.refused) if rep is not None else None,
             # no remediator: no API connection or mode off, so no fault gets a rule
-            remediation=(self.cfg.taint_mode.value, rem is not None and rem.active),
-            detection_latency=rem.latency if rem is not None else None,
+            remediation=(self.cfg.taint_mode.value, rep is not None and rep.active),
+            detection_latency=rep.latency if rep is not None else None,
             process_memory=process_memory or {},
             pod_label_allowlist=self.cfg.pod_label_allowlist,
             dcgm_compat=self.cfg.dcgm_compat_labels,

@@ -81,7 +81,10 @@ class Config:
     taint_budget_fraction: float = 0.05  # cluster-wide share of GPUs under NoExecute
     taint_budget_max: int = 16
     taint_hold_seconds: float = 1800.0  # healthy time before a rule steps down
-    node_failure_fraction: float = 0.5  # this share of a node's GPUs failing at once = node fault
+    node_failure_fraction: float = 0.5  # more than this share of a node's GPUs failing together = node fault
+    # remediation timing (team remediation, issue 16): every delay a fault goes through
+    taint_settle_seconds: float = 2.0  # a new fatal fault is NoSchedule this long before NoExecute
+    node_fault_window: float = 2.0  # failures this close together count as one node-wide event
     # health evidence (team health): how long a device call must stay stuck before the device
     # counts as hung (driver_hung, fatal), and how long a fatal fault stays after a GPU reset
     hung_after: float = 30.0
@@ -261,6 +264,9 @@ def _add_common(p: argparse.ArgumentParser, demo: bool = False) -> None:
     p.add_argument("--taint-rate-limit", metavar="N", help="new NoExecute rules per node per 10 minutes (default 2)")
     p.add_argument("--taint-budget-fraction", metavar="F", help="cluster share of GPUs under NoExecute before suppression (default 0.05)")
     p.add_argument("--taint-hold-seconds", metavar="S", help="healthy time before a rule steps down (default 1800)")
+    # remediation timing (team remediation)
+    p.add_argument("--taint-settle-seconds", metavar="S", help="a new fatal fault is NoSchedule this long, then NoExecute unless the node-wide test trips (default 2)")
+    p.add_argument("--node-fault-window", metavar="S", help="GPU failures this close together count together for the node-wide test (default 2)")
     # health evidence
     p.add_argument("--hung-after", metavar="SECONDS", help="a device call stuck this long, while the agent itself gets CPU, makes the device driver_hung (fatal) (default 30)")
     p.add_argument("--fault-clear-seconds", metavar="SECONDS", help="a fatal fault clears this long after a GPU reset, a polled fault this long after it was last seen (default 120)")
@@ -414,6 +420,11 @@ def _resolve(ns: argparse.Namespace, pick: Callable[..., str | None]) -> Config:
         kw["taint_budget_fraction"] = _positive_float("--taint-budget-fraction", v, 0, 1)
     if (v := pick("taint-hold-seconds")) is not None:
         kw["taint_hold_seconds"] = _positive_float("--taint-hold-seconds", v, 0, 7 * 86400)
+    # remediation timing (team remediation)
+    if (v := pick("taint-settle-seconds")) is not None:
+        kw["taint_settle_seconds"] = _positive_float("--taint-settle-seconds", v, 0, 600)
+    if (v := pick("node-fault-window")) is not None:
+        kw["node_fault_window"] = _positive_float("--node-fault-window", v, 0, 600)
     # health evidence
     if (v := pick("hung-after")) is not None:
         kw["hung_after"] = _positive_float("--hung-after", v, 0, 3600)

@@ -51,7 +51,50 @@ def build_agent(
         src.processes = process_memory
     agent = Agent(cfg, src, clock=clock, health_policy=health_policy)
     if api is not None and cfg.taint_mode != TaintMode.OFF:
-        from .remediation.engine import Remediator
-
-        src.remediation = Remediator(cfg, api, agent.health, src.slices, clock=clock, resync=remediation_resync)
+        src.remediation = build_remediator(cfg, api, agent, clock, remediation_resync)
     return agent
+
+
+def agent_namespace() -> str:
+    """The agent's namespace (downward API POD_NAMESPACE): where the budget and node state live."""
+    return os.environ.get("POD_NAMESPACE", "").strip() or "dra-gpu-exporter"
+
+
+def build_remediator(cfg: Config, api, agent: Agent, clock: Callable[[], float], resync: float):
+    """The remediator with its cluster parts: the node's rules and kill-switch label watched, the
+    cluster budget object, the node's state ConfigMap (when team scale's parts are there)."""
+    # (imported here, like the other Kubernetes parts: only an agent with an API pays for them)
+    from .remediation.engine import Remediator
+    from .remediation.state import NodeState
+
+    ns = agent_namespace()
+    kw: dict = {"node_state": NodeState(api, ns, cfg.node_name)}
+    try:
+        from .k8s.budget import ClusterBudget
+        from .k8s.watch import NodeWatch, OwnedRuleWatch
+    except ImportError:
+        # Without the watch and budget modules (exporter/k8s/watch.py, budget.py): the node's
+        # rules are listed and its Node read every resync (node-scoped), and the budget counts
+        # the cluster's NoExecute rules by label when a domain is to be raised (not at rest).
+        from .remediation.budget import RuleCountBudget
+        from .k8s.taintrules import TaintRuleClient
+
+        rules = TaintRuleClient(api)
+        kw["rules"] = rules
+        kw["budget"] = RuleCountBudget(rules, cfg.taint_budget_max)
+    else:
+        kw["budget"] = _cluster_budget(ClusterBudget, api, ns, cfg)
+        kw["node_watch"] = NodeWatch(api, cfg.node_name)
+        kw["owned_rules"] = lambda version: OwnedRuleWatch(api, cfg.node_name, version)
+    return Remediator(cfg, api, agent.health, agent.src.slices, clock=clock, resync=resync, **kw)
+
+
+def _cluster_budget(cls, api, ns: str, cfg: Config):
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    kw = {k: getattr(cfg, k) for k in ("taint_budget_max", "taint_budget_fraction") if k in fields}
+    try:
+        return cls(api, ns, **kw)
+    except TypeError:
+        return cls(api, ns)

@@ -296,13 +296,17 @@ def test_failure_storm_is_treated_as_a_node_fault():
         def settled():
             n.agent.run_cycle()
             rules = n.api.list("resource.k8s.io", "devicetaintrules")
-            return len(rules) == 5 and n.agent.src.remediation.suppressed.get("node_fault", 0) > 0 and rules
+            effects = sorted(r["spec"]["taint"]["effect"] for r in rules)
+            return len(rules) == 5 and effects.count("NoExecute") == n.agent.cfg.taint_rate_limit and rules
 
-        rules = wait_until(settled, timeout=15, interval=0.1, message="five rules and a node_fault suppression")
+        # Issue 16 changed this: "node-wide" is a majority of the GPUs failing within
+        # --node-fault-window (2 s); these five fail 5 s apart over 20 s, so each is its own
+        # fault and the per-node rate limit is what caps the evictions.
+        rules = wait_until(settled, timeout=15, interval=0.1, message="five rules, the rate limit's worth of them NoExecute")
         effects = sorted(r["spec"]["taint"]["effect"] for r in rules)
         # at most the per-node rate limit evicts; the rest only stop new placements
         assert effects.count("NoExecute") <= n.agent.cfg.taint_rate_limit
         assert effects.count("NoSchedule") >= 3
         m = n.scrape()
-        assert m.value("dra_gpu_exporter_taint_suppressed_total", reason="node_fault") >= 1
+        assert m.value("dra_gpu_exporter_taint_suppressed_total", reason="rate_limit") >= 1
         assert sum(1 for g in sc.gpus if m.value("gpu_healthy", uuid=g.uuid) == 0) == 5

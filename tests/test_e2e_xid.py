@@ -87,6 +87,12 @@ def test_xid79_taints_exactly_that_device_and_recovery_removes_it(node):
         clock.advance_to(FAULT_AT - 0.5)
         clock.resume(scale=1.0)
         wait_until(lambda: server.list("resource.k8s.io", "devicetaintrules"), timeout=60, message="the DeviceTaintRule")
+        # Fenced at once with NoSchedule, raised to NoExecute after the settle window (issue 16:
+        # this test used to see NoExecute in the first write; it now waits for the raise).
+        wait_until(
+            lambda: [r["spec"]["taint"]["effect"] for r in server.list("resource.k8s.io", "devicetaintrules")] == ["NoExecute"],
+            timeout=60, message="the raise to NoExecute after the settle window",
+        )
         clock.pause()  # the faulted state holds while we look at it
         rules = server.list("resource.k8s.io", "devicetaintrules")
         assert len(rules) == 1
@@ -100,7 +106,10 @@ def test_xid79_taints_exactly_that_device_and_recovery_removes_it(node):
         assert clock.now() < RESET_AT, "checked before the scripted reset"
 
         # the next collection cycle publishes it
-        m = wait_until(lambda: (lambda m: m if m.get("dra_device_taint_rule") else None)(scrape(agent.server.url)), timeout=60, message="the metrics")
+        m = wait_until(
+            lambda: (lambda m: m if [lab["effect"] for lab, _ in m.get("dra_device_taint_rule", [])] == ["NoExecute"] else None)(scrape(agent.server.url)),
+            timeout=60, message="the metrics",
+        )
         healthy = {lab["uuid"]: v for lab, v in m["gpu_healthy"]}
         assert healthy[bad.uuid] == 0.0
         assert all(v == 1.0 for u, v in healthy.items() if u != bad.uuid)  # the others untouched
@@ -124,11 +133,12 @@ def test_xid79_taints_exactly_that_device_and_recovery_removes_it(node):
 
     # Exactly one rule was ever written, for exactly that device; nothing else was touched.
     writes = [q for q in server.requests if q.method in ("POST", "PATCH", "PUT", "DELETE") and "/devicetaintrules" in q.path]
-    assert [q.method for q in writes] == ["POST", "PATCH", "DELETE"]
+    assert [q.method for q in writes] == ["POST", "PATCH", "PATCH", "DELETE"]  # fence, raise, step down, remove
+    assert writes[0].body["spec"]["taint"]["effect"] == "NoSchedule"
     assert all(q.path.endswith("/devicetaintrules") or q.path.endswith("/" + expected_name) for q in writes)
     assert writes[0].body["spec"]["deviceSelector"]["device"] == bad.device_name
     events = sorted(server.list("events.k8s.io", "events", namespace="default"), key=lambda e: int(e["metadata"]["resourceVersion"]))
-    assert [e["reason"] for e in events] == ["GPUTainted", "GPUTaintSteppedDown", "GPUUntainted"]
+    assert [e["reason"] for e in events] == ["GPUTainted", "GPUTaintEscalated", "GPUTaintSteppedDown", "GPUUntainted"]
     # Every object the agent sent is valid against the official 1.37 schema.
     assert validator.failures == []
     assert {("resource.k8s.io/v1", "DeviceTaintRule"), ("events.k8s.io/v1", "Event")} <= validator.kinds()

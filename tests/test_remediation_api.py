@@ -91,6 +91,11 @@ class Rig:
         assert self.watcher.wait_synced(10), "slices never listed"
         self.clock = ManualClock(T0)
         cfg.setdefault("taint_budget_fraction", 1.0)
+        # Settle window and node-fault window 0 here: these tests are about what each decision
+        # writes, so a fatal fault's rule gets NoExecute in the pass that sees it (as before
+        # issue 16). The fence-then-evict tests (test_remediation_domains.py) use the defaults.
+        cfg.setdefault("taint_settle_seconds", 0.0)
+        cfg.setdefault("node_fault_window", 0.0)
         self.cfg = Config(node_name=NODE, taint_mode=mode, taint_hold_seconds=HOLD, **cfg)
         self.resync = resync
         self.health = HealthEngine(self.clock, POLICY)
@@ -757,7 +762,13 @@ def test_restart_adopts_rules_without_duplicates_or_orphans(make_rig):
     assert len([q for q in rig.writes() if q.method == "POST"]) == posts  # nothing created again
     assert rig.rem.actions["adopt"] == 2 and len(rig.events("GPUTaintAdopted")) == 2
     assert {v.device: v.effect for v in rig.rem.rule_views()} == {"gpu-0": "NoExecute", "gpu-1": "NoSchedule"}
-    # the rule of the recovered device is no orphan: it is stepped down and removed
+    # the rule of the recovered device is no orphan: it is stepped down and removed. (Issue 16
+    # changed the timing: the adopted rule's degraded condition is restored into the new
+    # health engine, so it ages out as it would have without the restart, then the hold runs.)
+    assert not rig.health.health(rig.ids[1].uuid).healthy
+    rig.clock.advance(POLICY.event_quiet)
+    rig.observe(g0=DeviceReading.failed(rig.ids[0].uuid, ReadError.LOST))
+    rig.reconcile()
     rig.clock.advance(HOLD)
     rig.reconcile()
     rig.clock.advance(1)
@@ -786,14 +797,12 @@ def test_rule_for_a_device_no_longer_published_is_removed_after_the_hold(make_ri
 # ------------------------------------------------------------------------------ safety
 
 
-def test_budget_counts_our_rules_cluster_wide_then_new_faults_get_effect_none(make_rig):
+def test_budget_is_spent_per_fault_domain_then_new_faults_get_effect_none(make_rig):
+    """Issue 13 changed this: the budget is one object the agents take slots of (one per fault
+    domain raised to NoExecute), not a count of every agent's rules listed cluster-wide."""
     rig = make_rig("1.37", taint_budget_max=2)
-    for dev in ("gpu-0", "gpu-1"):  # another node's agent already has two NoExecute rules
-        rig.server.apply(rig.rem.rules.body(names.rule_name("node-b", DRIVER, "node-b", dev), DRIVER, "node-b", dev,
-                                            f"{names.TAINT_DOMAIN}/fatal", "xid_79", "NoExecute",
-                                            {names.MANAGED_BY: names.MANAGED_BY_VALUE, names.NODE_LABEL: "node-b", names.TIER_LABEL: "fatal"}, {}))
-    # a rule without our label does not count
-    rig.server.apply(rig.rem.rules.body("admin-rule", DRIVER, "node-c", "gpu-0", "example.com/x", "", "NoExecute", {}, {}))
+    for gpu_uuid in ("GPU-b0", "GPU-b1"):  # another node's agent already holds two domains
+        assert rig.rem.budget.take(f"node-b.{gpu_uuid}")
     rig.xid(0, 79)
     rig.xid(1, 79)
     rig.reconcile()
@@ -808,10 +817,17 @@ def test_budget_counts_our_rules_cluster_wide_then_new_faults_get_effect_none(ma
     m = metric_samples(rig)
     assert [v for _, v in m["dra_gpu_exporter_taint_budget_exhausted"]] == [1.0]
     # the budget frees up: the suppressed faults get their real effect
-    rig.server.delete("resource.k8s.io", "devicetaintrules", names.rule_name("node-b", DRIVER, "node-b", "gpu-0"))
+    rig.rem.budget.release("node-b.GPU-b0")
     rig.reconcile()
     ours = {r["spec"]["deviceSelector"]["device"]: r["spec"]["taint"]["effect"] for r in rig.rules() if r["spec"]["deviceSelector"]["pool"] == NODE}
     assert sorted(ours.values()) == ["NoExecute", "None"]  # exactly one more fits
+    assert rig.rem.budget.held(f"{NODE}.") == {f"{NODE}.{rig.ids[0].uuid}"}
+    # recovery gives the slot back
+    rig.recover(0)
+    rig.reconcile()
+    rig.clock.advance(HOLD)
+    rig.reconcile()
+    assert rig.rem.budget.held(f"{NODE}.") == set()
 
 
 def test_budget_without_effect_none_falls_back_to_noschedule(make_rig):
@@ -1016,3 +1032,26 @@ def test_health_changes_wake_the_remediator(make_rig):
     wait_until(lambda: rig.effects() == {"gpu-1": "NoExecute"}, timeout=5, message="the rule")
     # the pass ends with the rule's Event: waiting for it keeps the thread's log line in this test
     wait_until(lambda: rig.events("GPUTainted"), timeout=5, message="the rule's Event")
+
+
+def test_rule_count_budget_counts_fault_domains_cluster_wide_only_when_raising(make_rig):
+    """The stand-in budget (until the budget object is deployed): another node's NoExecute
+    rules count once per fault domain, however many DRA devices they span; it lists only when
+    a domain is to be raised, never at rest."""
+    from exporter.remediation.budget import RuleCountBudget
+
+    rig = make_rig("1.37", taint_budget_max=2)
+    rig.rem.budget = RuleCountBudget(rig.rem.rules, 2)
+    labels = {names.MANAGED_BY: names.MANAGED_BY_VALUE, names.NODE_LABEL: "node-b", names.TIER_LABEL: "fatal"}
+    for dev in ("gpu-0-mig-1g10gb-19-0", "gpu-0-mig-1g10gb-19-1"):  # one GPU of node-b: one domain
+        rig.server.apply(rig.rem.rules.body(names.rule_name("node-b", DRIVER, "node-b", dev), DRIVER, "node-b", dev,
+                                            f"{names.TAINT_DOMAIN}/fatal", "xid_79", "NoExecute", labels, {names.GPU_ANNOTATION: "GPU-b0"}))
+    rig.reconcile(2)
+    lists = [q for q in rig.server.requests if q.method == "GET" and q.path.endswith("/devicetaintrules") and "node%3D" not in str(q.query) and NODE not in str(q.query)]
+    assert lists == []  # nothing to raise: no cluster-wide list
+    rig.xid(0, 79)
+    rig.xid(1, 79)
+    rig.reconcile()
+    ours = {r["spec"]["deviceSelector"]["device"]: r["spec"]["taint"]["effect"] for r in rig.rules() if r["spec"]["deviceSelector"]["pool"] == NODE}
+    assert sorted(ours.values()) == ["NoExecute", "None"]  # node-b holds 1 of 2: one more fits
+    assert rig.rem.budget_exhausted

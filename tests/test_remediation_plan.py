@@ -393,3 +393,84 @@ def test_a_failing_device_never_loses_its_rule_to_a_step_down(ts, effect, safety
         return
     dec = decide(T, h, rule(effect, calm_since=NOW - 10 * HOLD), TaintMode.ENFORCE, safety, HOLD, NOW)
     assert dec.action != "delete"
+
+
+# ------------------------------------------------------------------ fault-domain rails (issue 16)
+
+from exporter.remediation.plan import Action, Effect, node_wide, settle_due, settling  # noqa: E402
+
+
+def test_node_wide_is_a_majority_within_the_window():
+    six_of_eight = {f"g{i}": 100.0 + 0.1 * i for i in range(6)}
+    assert node_wide(six_of_eight, 8, 0.5, 2.0) == set(six_of_eight)
+    assert node_wide({"g0": 100.0, "g1": 100.1, "g2": 100.2, "g3": 100.3}, 8, 0.5, 2.0) == set()  # half is not most
+    assert node_wide({"g0": 100.0, "g1": 160.0}, 4, 0.5, 2.0) == set()  # a minute apart: independent
+    assert node_wide({"g0": 100.0, "g1": 100.5, "g2": 101.0}, 4, 0.5, 2.0) == {"g0", "g1", "g2"}
+    # failures far from the cluster are not swept into it
+    assert node_wide({"g0": 0.0, "g1": 100.0, "g2": 100.5, "g3": 101.0}, 4, 0.5, 2.0) == {"g1", "g2", "g3"}
+    assert node_wide({"g0": 100.0}, 1, 0.5, 2.0) == set()  # one GPU is never a node fault
+
+
+def test_settling_waits_for_the_longer_window():
+    assert settling(100.0, 101.9, 2.0, 1.0) and not settling(100.0, 102.0, 2.0, 1.0)
+    assert settling(100.0, 104.0, 2.0, 5.0) and settle_due(100.0, 2.0, 5.0) == 105.0
+    assert not settling(None, 100.0, 2.0, 2.0)
+
+
+def test_a_settling_fatal_fault_is_fenced_with_noschedule_without_a_suppression():
+    x = d(health(Tier.FATAL), settling=True)
+    assert (x.action, x.effect, x.suppressed) == (Action.CREATE, Effect.NO_SCHEDULE.value, "")
+    x = d(health(Tier.FATAL), rule("NoSchedule", "fatal"), settling=True)
+    assert x.action == Action.KEEP  # raised only once the window is over
+    x = d(health(Tier.FATAL), rule("NoSchedule", "fatal"))
+    assert (x.action, x.effect) == (Action.UPDATE, "NoExecute")
+
+
+def test_an_unreadable_budget_fails_safe_to_noschedule():
+    x = d(health(Tier.FATAL), budget_unavailable=True)
+    assert (x.action, x.effect, x.suppressed) == (Action.CREATE, "NoSchedule", Suppression.BUDGET_UNAVAILABLE)
+    x = d(health(Tier.FATAL), rule("NoExecute", "fatal"), budget_unavailable=True)
+    assert x.action == Action.KEEP  # a raised domain keeps what it has
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute module names a module imports (relative imports resolved against its package)."""
+    pkg = ".".join(path.relative_to(Path(__file__).parents[1]).with_suffix("").parts[:-1])
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = pkg.rsplit(".", node.level - 1)[0] if node.level else ""
+            out.add(f"{base}.{node.module}" if node.level and node.module else (node.module or base))
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+def test_no_layering_back_edges():
+    """The k8s layer never imports the remediator (names it writes live in exporter.k8s.names),
+    and the remediator never imports the metrics layer (its report has its own views)."""
+    root = Path(__file__).parents[1] / "exporter"
+    for f in (root / "k8s").glob("*.py"):
+        assert not [m for m in _imports(f) if m.startswith("exporter.remediation")], f
+    for f in (root / "remediation").glob("*.py"):
+        assert not [m for m in _imports(f) if m.startswith("exporter.metrics")], f
+
+
+def test_every_remediation_delay_is_a_validated_flag_and_env_var(monkeypatch):
+    from exporter.config import ConfigError, build_parser, resolve
+
+    def cfg(*argv: str):
+        return resolve(build_parser().parse_args(["--node-name", "n", *argv]))
+
+    c = cfg()
+    assert (c.taint_settle_seconds, c.node_fault_window, c.fault_clear_seconds, c.taint_hold_seconds) == (2.0, 2.0, 120.0, 1800.0)
+    c = cfg("--taint-settle-seconds", "5", "--node-fault-window", "1.5", "--fault-clear-seconds", "30")
+    assert (c.taint_settle_seconds, c.node_fault_window, c.fault_clear_seconds) == (5.0, 1.5, 30.0)
+    monkeypatch.setenv("DRA_GPU_EXPORTER_TAINT_SETTLE_SECONDS", "0.5")
+    monkeypatch.setenv("DRA_GPU_EXPORTER_NODE_FAULT_WINDOW", "3")
+    monkeypatch.setenv("DRA_GPU_EXPORTER_FAULT_CLEAR_SECONDS", "60")
+    c = cfg()
+    assert (c.taint_settle_seconds, c.node_fault_window, c.fault_clear_seconds) == (0.5, 3.0, 60.0)
+    for flag, bad in (("--taint-settle-seconds", "-1"), ("--node-fault-window", "nan"), ("--fault-clear-seconds", "1e9")):
+        with pytest.raises(ConfigError):
+            cfg(flag, bad)

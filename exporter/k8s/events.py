@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from ..remediation.names import REPORTING_CONTROLLER
+from .names import REPORTING_CONTROLLER
 from .connection import ApiError, request_json
 
 log = structlog.get_logger(__name__)

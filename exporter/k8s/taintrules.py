@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..remediation.names import MANAGED_BY, MANAGED_BY_VALUE, NODE_LABEL
+from .names import MANAGED_BY, MANAGED_BY_VALUE, NODE_LABEL
 from .connection import MERGE_PATCH, ApiError, get_json, request_json
 from .discovery import RESOURCE_GROUP, Discovery
 

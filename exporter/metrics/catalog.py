@@ -73,6 +73,7 @@ CATALOG: tuple[MetricDef, ...] = (
     # The reasons come from the enum the remediator counts with, so none can go undocumented.
     _m("dra_gpu_exporter_taint_suppressed_total", "counter", "reason", f"Taints not applied with their full effect, or not written, by reason ({suppression_reasons()})"),
     _m("dra_gpu_exporter_taint_budget_exhausted", "gauge", "", "1 while the cluster-wide NoExecute budget is used up"),
+    _m("dra_gpu_exporter_taint_writes_refused", "gauge", "", "DeviceTaintRule writes the API server is refusing now (401, 403, 422: RBAC, admission policy, validation); each leaves a fault untainted"),
     _m("dra_gpu_exporter_remediation_active", "gauge", "mode", "1 while a fault on this node gets a DeviceTaintRule (mode shadow or enforce, the DeviceTaintRule API served, the kill switch off), else 0"),
     _m("dra_gpu_exporter_detection_to_taint_seconds", "histogram", "", "Time from the first evidence of a fault to its DeviceTaintRule being written"),
     # self

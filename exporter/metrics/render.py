@@ -70,6 +70,7 @@ class RenderState:
     taint_actions: Mapping[str, int] = field(default_factory=dict)
     taint_suppressed: Mapping[str, int] = field(default_factory=dict)
     budget_exhausted: bool | None = None
+    taint_writes_refused: int | None = None  # remediator: writes the API server refuses now
     remediation: tuple[str, bool] | None = None  # (mode, active); None: not known (tests)
     detection_latency: Any = None  # exporter.remediation.engine.Histogram
     process_memory: Mapping[tuple[str, str, str], int] = field(default_factory=dict)  # (uuid, ns, pod) -> bytes
@@ -406,6 +407,10 @@ class SnapshotCollector(Collector):
             b = _fam("dra_gpu_exporter_taint_budget_exhausted")
             b.add_metric([node], 1 if st.budget_exhausted else 0)
             yield b
+        if st.taint_writes_refused is not None:
+            w = _fam("dra_gpu_exporter_taint_writes_refused")
+            w.add_metric([node], st.taint_writes_refused)
+            yield w
         if st.remediation is not None:
             a = _fam("dra_gpu_exporter_remediation_active")
             a.add_metric([node, st.remediation[0]], 1 if st.remediation[1] else 0)

@@ -1,33 +1,33 @@
-"""The remediator: keeps this node's DeviceTaintRules in line with device health.
+"""The remediator: keeps this node's DeviceTaintRules in line with device health, per fault domain.
 
-It runs on its own thread so API latency and outages never stall metric collection, and it is
-woken at once by the health engine when a device's health changes (an XID event reaches a rule
-in milliseconds, not at the next collection cycle). Each pass:
+A thin loop over small parts, each with one job:
 
-1. (re)reads the rules it owns (label-selected), the node's kill switch and the cluster-wide
-   NoExecute count, at most every ``resync`` seconds;
-2. maps every ResourceSlice device of this node to a local GPU and asks
-   :func:`exporter.remediation.plan.decide` what to do;
-3. executes the decisions, emitting an Event for each, retrying failed writes on the next pass.
+* :mod:`.domains` groups this node's published DRA devices into fault domains (one per
+  physical GPU: the full GPU, its static MIG devices, its DynamicMIG partitions, AMD partitions);
+* :mod:`.plan` decides, as pure functions over plain data, what each device's rule should be
+  and which fault domains may be raised to NoExecute (settle window, node-wide test, rate
+  limit, cluster budget: every rail counts domains, never DRA devices);
+* :mod:`.writer` writes the rules and tells each domain's writes in one Event;
+* :mod:`.state` reads back what rules stand for and remembers admins' deletions;
+* the cluster budget (:class:`exporter.k8s.budget.ClusterBudget`) is taken when a domain is
+  raised to NoExecute and returned when it steps down or is untainted.
+
+It runs on its own thread so API latency never stalls metric collection, and is woken at once
+by the health engine. A new fatal fault is fenced at once (NoSchedule: nothing new lands on
+the domain; this is the detection-to-taint latency) and raised to NoExecute once its settle
+window has passed, unless the node-wide test tripped within it. Lowering is never gated.
 
 Everything held back is counted once per episode under a :class:`~.reasons.Suppression` and told
-in one Warning Event, including a cluster that serves no DeviceTaintRule API at all.
-
-A person clears a sticky device by deleting its rule (or removing the rule's sticky label): the
-next resync notices and clears the health engine's sticky state of the physical GPU.
-
-Rule names are deterministic per (node, driver, pool, device), so a retry after a timeout can
-never create a duplicate: the server answers 409 and the existing rule is adopted.
+in one Warning Event. A write the API server refuses (401, 403, 422...) is held for
+``REFUSED_RETRY``, fails the remediation collector and is listed in ``/readyz``'s body.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 import threading
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import structlog
@@ -37,68 +37,25 @@ from ..config import Config, TaintMode
 from ..health.engine import HealthEngine
 from ..health.model import DeviceHealth, Tier
 from ..k8s.connection import ApiError, get_json
-from ..k8s.events import EventRecorder, micro_time, node_ref
-from ..k8s.resolve import DeviceIndex, resolve
+from ..k8s.events import EventRecorder
+from ..k8s.resolve import DeviceIndex
 from ..k8s.taintrules import TaintRuleClient, TaintRulesUnavailable
-from ..metrics.render import TaintRuleView
 from ..model.join import effective_health
 from ..model.snapshot import Snapshot
-from . import names
-from .plan import ADMIN_DELETED, EFFECT_RANK, EVIDENCE_MAX, Decision, OwnedRule, Safety, Target, decide
+from . import domains, names
+from .budget import Budget, LocalBudget
+from .plan import ADMIN_DELETED, Action, Decision, Effect, OwnedRule, Safety, Target, decide, node_wide, settle_due, settling, wanted
 from .reasons import Suppression
+from .report import Histogram, RemediationReport, TaintRuleView  # noqa: F401  (Histogram: re-exported)
+from .state import AdminDeletion, NodeState, restore_health, rule_from_object
+from .writer import NameTaken, Outcome, RuleWriter
 
 log = structlog.get_logger(__name__)
 
 REFUSED_RETRY = 300.0  # seconds before a refused write is tried again, unless the decision changes
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 NO_API_KEY = ("api", "", "")  # announcement key of the cluster-wide "no DeviceTaintRule API"
 NODE_KEY = ("node", "", "")  # announcement key of node-wide episodes
-
-
-class NameTaken(Exception):
-    """A rule with our deterministic name exists and is not ours: never touch it."""
-
-
-@dataclass
-class Histogram:
-    buckets: tuple[float, ...] = LATENCY_BUCKETS
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * (len(self.buckets) + 1)
-        self.sum = 0.0
-        self.count = 0
-        self.samples: deque[float] = deque(maxlen=10000)  # for bench/ percentiles
-
-    def observe(self, v: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, v)] += 1
-        self.sum += v
-        self.count += 1
-        self.samples.append(v)
-
-
-def _rule_from_object(obj: dict) -> OwnedRule | None:
-    try:
-        meta = obj["metadata"]
-        sel = obj["spec"]["deviceSelector"]
-        taint = obj["spec"]["taint"]
-        labels = meta.get("labels") or {}
-        ann = meta.get("annotations") or {}
-        return OwnedRule(
-            name=meta["name"],
-            driver=sel.get("driver", ""),
-            pool=sel.get("pool", ""),
-            device=sel.get("device", ""),
-            uuid=ann.get(names.UUID_ANNOTATION, ""),
-            effect=taint.get("effect", "None"),
-            tier=labels.get(names.TIER_LABEL, ""),
-            reason=ann.get(names.REASON_ANNOTATION, ""),
-            evidence=ann.get(names.EVIDENCE_ANNOTATION, ""),
-            sticky=labels.get(names.STICKY_LABEL, "").lower() == "true",
-            uid=meta.get("uid", ""),
-            managed=ann.get(names.UNMANAGED_ANNOTATION, "true").lower() != "false",
-        )
-    except (KeyError, TypeError, AttributeError):
-        return None
+BUDGET_KEY = ("budget", "", "")  # announcement key of "the budget object cannot be read"
 
 
 class Remediator:
@@ -112,6 +69,10 @@ class Remediator:
         resync: float = 30.0,
         rules: TaintRuleClient | None = None,
         events: EventRecorder | None = None,
+        budget: Budget | None = None,
+        node_state: NodeState | None = None,
+        owned_rules: Any = None,  # OwnedRuleWatch, or a factory taking the served version; None: list every ``resync`` s
+        node_watch: Any = None,  # exporter.k8s.watch.NodeWatch; None: GET the Node every ``resync`` s
     ) -> None:
         self.cfg = cfg
         self.node = cfg.node_name
@@ -123,30 +84,38 @@ class Remediator:
         self.resync = resync
         self.rules = rules or TaintRuleClient(client)
         self.events = events or EventRecorder(client, self.node)
-        self.owned: dict[tuple[str, str, str], OwnedRule] = {}
-        self.actions: Counter[str] = Counter()
+        self.writer = RuleWriter(self.node, self.mode, self.rules, self.events, clock, cfg.taint_hold_seconds)
+        self.writer.on_deleted_by_someone = self._deleted_by_someone
+        self.budget: Budget = budget if budget is not None else LocalBudget(cfg.taint_budget_max)
+        self.node_state = node_state
+        # The rule watch needs the served DeviceTaintRule version, known after discovery: a
+        # factory is called then (see _ensure_watches).
+        self._owned_rules_factory = owned_rules if callable(owned_rules) and not hasattr(owned_rules, "objects") else None
+        self.owned_rules = None if self._owned_rules_factory is not None else owned_rules
+        self.node_watch = node_watch
+        self._started = False
         self.suppressed: Counter[str] = Counter()
-        self.latency = Histogram()
         self.budget_exhausted = False
         self.last_error: str | None = None
         self.ok = False
+        self.passes = 0  # good passes of the remediator thread (for tests and debugging)
+        self.api_served: bool | None = None  # a DeviceTaintRule version is served; None: not known yet
         self._adopted = False
         self._last_resync = -math.inf
         self._kill_switch = False
-        self.api_served: bool | None = None  # a DeviceTaintRule version is served; None: not known yet
-        self._cluster_noexecute = 0
-        self._cluster_gpus: int | None = None
-        self._cluster_gpus_at = -math.inf
-        self._noexecute_times: deque[float] = deque()
-        self._admin_deleted: dict[tuple[str, str, str], float] = {}
-        # Writes the server refused (4xx) or whose name is taken: (action, effect, tier) -> when
-        # to ask again. A new decision for the device is asked at once.
-        self.passes = 0  # good passes of the remediator thread (for tests and debugging)
-        self._refused: dict[tuple[str, str, str], tuple[tuple[str, str, str], float]] = {}
-        self._announced: set[tuple[tuple[str, str, str], str]] = set()  # (key, suppression) already told in an Event
+        self._noexecute_times: deque[float] = deque()  # when a fault domain was raised (rate limit)
+        self._raised: set[str] = set()  # units (fault domains, or instances) allowed NoExecute
+        self._admin_deleted: dict[tuple[str, str, str], AdminDeletion] = {}
+        self._admin_loaded = node_state is None
+        # Writes the server refused (4xx) or whose name is taken: key -> ((action, effect, tier),
+        # when to ask again, what was said). A new decision for the device is asked at once.
+        self._refused: dict[tuple[str, str, str], tuple[tuple[str, str, str], float, str]] = {}
+        self._announced: set[tuple[tuple[str, str, str], str]] = set()  # (key, suppression) already told
+        self._pending: dict[str, list[Outcome]] = {}  # a domain's writes not yet told (pass failed midway)
         self._plugin_notified: dict[str, str] = {}
         self._index = DeviceIndex(())
         self._identities: tuple = ()
+        self._next_due: float | None = None  # clock time a settling domain's raise is due
         self._wake = threading.Condition()
         self._dirty = True
         self._stop = threading.Event()
@@ -155,9 +124,29 @@ class Remediator:
         self._retry_at = 0.0
         self._backoff = Backoff(0.5, 30.0)  # between failed passes; a 429's Retry-After is honoured
         health.subscribe(lambda uuid: self.poke())
+        for w in (owned_rules, node_watch):
+            if w is not None and hasattr(w, "on_change"):
+                w.on_change = self.poke
+
+    # -- compatibility views -------------------------------------------------------------------
+    @property
+    def owned(self) -> dict[tuple[str, str, str], OwnedRule]:
+        return self.writer.owned
+
+    @property
+    def actions(self) -> Counter[str]:
+        return self.writer.actions
+
+    @property
+    def latency(self) -> Histogram:
+        return self.writer.latency
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
+        self._started = True
+        for w in (self.owned_rules, self.node_watch):
+            if w is not None and hasattr(w, "start"):
+                w.start()
         self._thread = threading.Thread(target=self._loop, name="remediation", daemon=True)
         self._thread.start()
 
@@ -166,6 +155,9 @@ class Remediator:
         self.poke()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        for w in (self.owned_rules, self.node_watch):
+            if w is not None and hasattr(w, "stop"):
+                w.stop()
 
     def poke(self) -> None:
         with self._wake:
@@ -185,12 +177,16 @@ class Remediator:
             with self._wake:
                 backoff_left = self._retry_at - time.monotonic()
                 if backoff_left > 0:
-                    # After a failed pass: retry when the backoff ends, not at the next interval,
-                    # and keep any poke that arrives meanwhile pending (dirty stays set).
+                    # After a failed pass: retry when the backoff ends, and keep any poke that
+                    # arrives meanwhile pending (dirty stays set).
                     self._wake.wait(timeout=backoff_left)
                     continue
                 if not self._dirty:
-                    self._wake.wait(timeout=min(self.cfg.interval, 5.0))
+                    wait = min(self.cfg.interval, 5.0)
+                    if self._next_due is not None:
+                        # a settling domain's raise is due then, not at the next interval
+                        wait = max(0.0, min(wait, self._next_due - self.clock() + 0.01))
+                    self._wake.wait(timeout=wait)
                 self._dirty = False
             if self._stop.is_set():
                 return
@@ -211,49 +207,108 @@ class Remediator:
                 log.exception("remediation_pass_crashed")
 
     # -- state from the cluster ----------------------------------------------------------------
-    def _resync(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last_resync < self.resync:
+    def _owned_objects(self) -> list[dict] | None:
+        """This node's rules: from the watch (no request) or, without one, a node-scoped list
+        every ``resync`` seconds. None: nothing new to look at."""
+        if self.owned_rules is not None:
+            if not getattr(self.owned_rules, "synced", False):
+                return None
+            return list(self.owned_rules.objects().values())
+        if time.monotonic() - self._last_resync < self.resync:
+            return None
+        return self.rules.list_owned(self.node)
+
+    def _kill_switch_now(self) -> bool:
+        if self.node_watch is not None:
+            if not getattr(self.node_watch, "synced", False):
+                return self._kill_switch
+            return (self.node_watch.labels() or {}).get(names.KILL_SWITCH_LABEL, "").lower() == "disabled"
+        if time.monotonic() - self._last_resync < self.resync:
+            return self._kill_switch
+        try:
+            node = get_json(self.client, f"/api/v1/nodes/{self.node}", timeout=(3.0, 5.0))
+        except ApiError as e:
+            if e.status == 404:
+                return False
+            raise
+        return ((node.get("metadata") or {}).get("labels") or {}).get(names.KILL_SWITCH_LABEL, "").lower() == "disabled"
+
+    def _resync(self) -> None:
+        if self.mode == TaintMode.DRY_RUN:
             return
-        if self.mode != TaintMode.DRY_RUN:
-            found = {}
-            adopted: list[OwnedRule] = []
-            for obj in self.rules.list_owned(self.node):
-                r = _rule_from_object(obj)
-                if r is not None and r.pool and r.device:
-                    found[r.key] = r
-            with self._lock:
-                for key, r in found.items():
-                    mine = self.owned.get(key)
-                    if mine is None:
-                        self.actions["adopt"] += 1
-                        log.info("rule_adopted", rule=r.name, device=r.device, effect=r.effect)
-                        self.owned[key] = r
-                        adopted.append(r)
-                    else:
-                        if mine.sticky and not r.sticky:
-                            # A person took the sticky label off: the device is trusted again
-                            # and the rule steps down like any other once the device is healthy.
-                            log.warning("sticky_label_removed", rule=mine.name, device=mine.device)
-                            self._clear_sticky(mine)
-                        mine.managed, mine.uid, mine.effect, mine.sticky = r.managed, r.uid, r.effect, r.sticky
-                for key, mine in list(self.owned.items()):
-                    if key not in found and not mine.virtual and self._adopted:
-                        # Gone without us deleting it: an admin cleared it. Respect that.
-                        log.warning("rule_deleted_by_someone_else", rule=mine.name, device=mine.device)
-                        self._deleted_by_someone(key, mine)
-            for r in adopted:
-                self._adopted_event(r, "found carrying this agent's labels (agent restarted)")
-                if r.sticky and r.uuid:
-                    # The failure history died with the previous process; the label is the
-                    # record, so gpu_healthy agrees with the rule until a person clears it.
-                    self.health.mark_sticky(r.uuid, f"sticky label on DeviceTaintRule {r.name} (failed too often before the agent restarted); clear by hand")
-            self._adopted = True
-            cluster = self.rules.list_owned(None)
-            self._cluster_noexecute = sum(1 for o in cluster if (o.get("spec") or {}).get("taint", {}).get("effect") == "NoExecute")
-            self._kill_switch = self._node_kill_switch()
-            self._count_cluster_gpus()
-        self._last_resync = now
+        if not self._admin_loaded and self.node_state is not None:
+            self._admin_deleted.update(self.node_state.load())
+            self._admin_loaded = True
+        objs = self._owned_objects()
+        self._kill_switch = self._kill_switch_now()
+        if objs is None:
+            return
+        found: dict[tuple[str, str, str], OwnedRule] = {}
+        for obj in objs:
+            r = rule_from_object(obj)
+            if r is not None and r.pool and r.device:
+                found[r.key] = r
+        adopted: list[OwnedRule] = []
+        with self.writer.lock:
+            owned = self.writer.owned
+            names_seen = {r.name for r in found.values()}
+            self.writer.deleted &= names_seen  # gone from the view: no longer in doubt
+            for key, r in found.items():
+                mine = owned.get(key)
+                if mine is None:
+                    if r.name in self.writer.deleted:
+                        continue  # deleted by us a moment ago; the watch has not caught up
+                    self.actions["adopt"] += 1
+                    log.info("rule_adopted", rule=r.name, device=r.device, effect=r.effect)
+                    owned[key] = r
+                    adopted.append(r)
+                else:
+                    if mine.sticky and not r.sticky:
+                        # A person took the sticky label off: the device is trusted again
+                        # and the rule steps down like any other once the device is healthy.
+                        log.warning("sticky_label_removed", rule=mine.name, device=mine.device)
+                        self._clear_sticky(mine)
+                    mine.managed, mine.uid, mine.effect, mine.sticky = r.managed, r.uid, r.effect, r.sticky
+            for key, mine in list(owned.items()):
+                if key not in found and not mine.virtual and self._adopted and self._seen_by_watch(mine):
+                    # Gone without us deleting it: an admin cleared it. Respect that.
+                    log.warning("rule_deleted_by_someone_else", rule=mine.name, device=mine.device)
+                    self._deleted_by_someone(key, mine)
+        if adopted:
+            # What the rules stand for comes back into the health engine: a fatal rule waits
+            # for a GPU reset, as it did before the restart.
+            restore_health(self.health, adopted, self.clock())
+        for r in adopted:
+            if r.effect == Effect.NO_EXECUTE.value:
+                self._raised.add(self._unit_of_rule(r))
+            self.writer.adopted_event(r, "found carrying this agent's labels (agent restarted)")
+            if r.sticky and r.uuid:
+                # The failure history died with the previous process; the label is the
+                # record, so gpu_healthy agrees with the rule until a person clears it.
+                self.health.mark_sticky(r.uuid, f"sticky label on DeviceTaintRule {r.name} (failed too often before the agent restarted); clear by hand")
+        self._adopted = True
+        self._last_resync = time.monotonic()
+
+    def _ensure_watches(self) -> None:
+        if self._owned_rules_factory is None or self.mode == TaintMode.DRY_RUN:
+            return
+        self.owned_rules = self._owned_rules_factory(self.rules.served().version)
+        self._owned_rules_factory = None
+        if hasattr(self.owned_rules, "on_change"):
+            self.owned_rules.on_change = self.poke
+        if self._started and hasattr(self.owned_rules, "start"):
+            self.owned_rules.start()
+
+    def _seen_by_watch(self, rule: OwnedRule) -> bool:
+        """With a watch, a rule we created moments ago may not be in its cache yet: only a rule
+        older than a few seconds that the synced cache lacks was deleted by someone."""
+        if self.owned_rules is None:
+            return True
+        return rule.created_at is None or self.clock() - rule.created_at > 10.0
+
+    @staticmethod
+    def _unit_of_rule(r: OwnedRule) -> str:
+        return r.uuid if r.scope == "instance" or not r.gpu else r.gpu
 
     @property
     def active(self) -> bool:
@@ -262,139 +317,241 @@ class Remediator:
         return self.mode in (TaintMode.SHADOW, TaintMode.ENFORCE) and self.api_served is True and not self._kill_switch
 
     def _deleted_by_someone(self, key: tuple[str, str, str], rule: OwnedRule) -> None:
-        """Not recreated without new evidence; a sticky device counts as cleared by hand."""
-        with self._lock:
-            self.owned.pop(key, None)
-        self._admin_deleted[key] = self.clock()
+        """Not recreated without new evidence (remembered across restarts); a sticky device
+        counts as cleared by hand."""
+        with self.writer.lock:
+            self.writer.owned.pop(key, None)
+        self._admin_deleted[key] = AdminDeletion(self.clock(), rule.reason)
+        self._save_admin_deleted()
         self._clear_sticky(rule)
+
+    def _save_admin_deleted(self) -> None:
+        if self.node_state is None:
+            return
+        try:
+            self.node_state.save(self._admin_deleted)
+        except ApiError as e:
+            # Kept in memory and written on the next change; only a restart meanwhile forgets.
+            log.warning("node_state_not_saved", configmap=self.node_state.name, error=str(e))
 
     def _clear_sticky(self, rule: OwnedRule) -> None:
         if rule.uuid:
             # (a MIG device's uuid clears the GPU it lives on: the health engine maps it)
             self.health.clear_sticky(rule.uuid)
 
-    def _node_kill_switch(self) -> bool:
-        try:
-            node = get_json(self.client, f"/api/v1/nodes/{self.node}", timeout=(3.0, 5.0))
-        except ApiError as e:
-            if e.status == 404:
-                return False
-            raise
-        value = ((node.get("metadata") or {}).get("labels") or {}).get(names.KILL_SWITCH_LABEL, "")
-        return value.lower() == "disabled"
-
-    def _count_cluster_gpus(self) -> None:
-        """Cluster GPU count for the budget, from all ResourceSlices, every 10 minutes."""
-        if time.monotonic() - self._cluster_gpus_at < 600:
-            return
-        try:
-            version = self.slices.api_version if getattr(self.slices, "api_version", None) else "v1"
-            total, cont = 0, None
-            while True:
-                q = {"limit": 500, **({"continue": cont} if cont else {})}
-                out = get_json(self.client, f"/apis/resource.k8s.io/{version}/resourceslices", q, timeout=(3.0, 10.0))
-                for s in out.get("items") or []:
-                    spec = s.get("spec") or {}
-                    if spec.get("driver") in ("gpu.nvidia.com", "gpu.amd.com", "gpu.intel.com"):
-                        total += len(spec.get("devices") or [])
-                cont = (out.get("metadata") or {}).get("continue")
-                if not cont:
-                    break
-            self._cluster_gpus = total
-        except ApiError as e:
-            log.warning("cluster_gpu_count_failed", error=str(e))
-        self._cluster_gpus_at = time.monotonic()
-
-    def budget(self) -> int:
-        cap = self.cfg.taint_budget_max
-        if self._cluster_gpus is None:
-            return cap
-        return min(cap, max(1, math.floor(self.cfg.taint_budget_fraction * self._cluster_gpus)))
-
     # -- one pass ------------------------------------------------------------------------------
     def targets(self) -> list[Target]:
         devices = self.slices.devices() if self.slices is not None else {}
         with self._lock:
             index = self._index
-        out = []
-        for key, dev in sorted(devices.items()):
-            res = resolve(key, dev, None, index)
-            if res.ok:
-                out.append(Target(driver=key[0], pool=key[1], device=key[2], uuid=res.uuid))
-        return out
+        return domains.targets(devices, index)
 
     def reconcile(self) -> None:
         if self.mode == TaintMode.OFF:
             return
         try:
-            self._resync()
             supports_none = True if self.mode == TaintMode.DRY_RUN else self.rules.served().supports_none
             self.api_served = True if self.mode != TaintMode.DRY_RUN else self.api_served
+            self._ensure_watches()
+            self._resync()
         except TaintRulesUnavailable as e:
             self.api_served = False
-            # Not a failure of this agent but what the cluster offers (the API is off by default before
-            # 1.37): told once per agent start in an Event, a warning and the no_api
-            # suppression, not as a failing collector on every node. Every pass looks again
-            # (discovery is cached), so enabling the API later is picked up.
+            # Not a failure of this agent but what the cluster offers (the API is off by default
+            # before 1.37): told once per agent start in an Event, a warning and the no_api
+            # suppression. Every pass looks again (discovery is cached).
             self._announce_once(NO_API_KEY, Suppression.NO_API, f"GPU faults on this node get no DeviceTaintRule: {e}. Health is reported in metrics only.")
             return
         self._announced.discard((NO_API_KEY, Suppression.NO_API.value))  # served again: a later loss is news
         now = self.clock()
         health = self.health.all_health()
-        parents = {i.uuid: i.parent_uuid for i in self._identities if i.is_partition}
         targets = self.targets()
         physical = [i for i in self._identities if not i.is_partition]
-        fatal = [i for i in physical if (health.get(i.uuid) or DeviceHealth(i.uuid)).worst == Tier.FATAL]
-        node_fault = len(physical) >= 2 and len(fatal) >= max(2, math.ceil(self.cfg.node_failure_fraction * len(physical)))
-        window = self.cfg.taint_rate_window
-        while self._noexecute_times and now - self._noexecute_times[0] > window:
-            self._noexecute_times.popleft()
-        budget = self.budget()
-        self.budget_exhausted = self._cluster_noexecute >= budget
-        if node_fault:
-            self._announce_once(NODE_KEY, Suppression.NODE_FAULT, f"{len(fatal)} of {len(physical)} GPUs failed at once: treating it as a node problem, NoSchedule only")
+        # GPU-wide fatal faults by physical GPU (an instance's own faults are on the instance)
+        fatal_since: dict[str, float] = {}
+        for i in physical:
+            h = health.get(i.uuid)
+            times = [c.since for c in (h.conditions if h else ()) if c.tier == Tier.FATAL]
+            if times:
+                fatal_since[i.uuid] = min(times)
+        window = self.cfg.node_fault_window
+        nodewide = node_wide(fatal_since, len(physical), self.cfg.node_failure_fraction, window)
+        if nodewide:
+            self._announce_once(NODE_KEY, Suppression.NODE_FAULT, f"{len(nodewide)} of {len(physical)} GPUs failed within {window:g}s of each other: treating it as a node problem, NoSchedule only")
         else:
             self._announced.discard((NODE_KEY, Suppression.NODE_FAULT.value))  # the episode is over
+        while self._noexecute_times and now - self._noexecute_times[0] > self.cfg.taint_rate_window:
+            self._noexecute_times.popleft()
+        self._next_due = None
 
         covered: set[str] = set()
-        for t in targets:
-            covered.add(t.uuid)
-            covered.add(parents.get(t.uuid, ""))
-            h = effective_health(t.uuid, parents.get(t.uuid, ""), health)
-            with self._lock:
-                rule = self.owned.get(t.key)
-            safety = Safety(
-                kill_switch=self._kill_switch,
-                rate_ok=len(self._noexecute_times) < self.cfg.taint_rate_limit,
-                budget_ok=self._cluster_noexecute < budget,
-                node_fault=node_fault,
-                supports_none=supports_none,
-            )
-            d = decide(t, h, rule, self.mode, safety, self.cfg.taint_hold_seconds, now, self._admin_deleted.get(t.key))
-            held = self._refused.get(t.key)
-            if held is not None:
-                if held[0] == (d.action, d.effect, d.tier) and now < held[1]:
-                    continue  # refused before; asking again on every pass would only be refused again
-                del self._refused[t.key]
+        for dom in domains.group(targets):
+            outcomes = self._pending.pop(dom.gpu, [])
             try:
-                self._apply(t, h, rule, d, now)
-            except ApiError as e:
-                if e.retryable:
-                    raise  # outage: the whole pass is retried with backoff
-                # The server refused this one write (admission policy, validation, a changed
-                # precondition): report it and go on, or one bad device would block every
-                # device sorted after it on every pass.
-                log.error("remediation_write_rejected", device=t.device, action=d.action, error=str(e), retry_in=REFUSED_RETRY)
-                self._announce_once(t.key, Suppression.API_REJECTED, f"{t.device}: the API server refused to {d.action} its DeviceTaintRule: {e}")
-                self._refused[t.key] = ((d.action, d.effect, d.tier), now + REFUSED_RETRY)
-            except NameTaken as e:
-                log.error("rule_name_taken", rule=str(e), device=t.device, retry_in=REFUSED_RETRY)
-                self._refused[t.key] = ((d.action, d.effect, d.tier), now + REFUSED_RETRY)
-                self._announce_once(t.key, Suppression.NAME_CONFLICT, f"{t.device}: a DeviceTaintRule named {e} exists and is not this agent's; left alone, so {t.uuid} is not tainted")
+                self._reconcile_domain(dom, health, fatal_since, nodewide, supports_none, now, covered, outcomes)
+            except BaseException:
+                self._pending[dom.gpu] = outcomes  # told once the rest of the domain is written
+                raise
+            if outcomes and self.mode != TaintMode.DRY_RUN:
+                self.writer.tell(outcomes)
         self._retire_unpublished(now)
+        self._release_budget(targets)
         if getattr(self.slices, "synced", True):
             # Before the first slice list every GPU would look device-plugin managed.
             self._device_plugin_notices(health, covered)
+
+    def _unit_safety(
+        self, unit: str, keys: list[tuple[str, str, str]], since: float | None, node_fault: bool, supports_none: bool, now: float
+    ) -> tuple[Safety, bool]:
+        """The safety state for every device of one unit (a fault domain, or one MIG instance
+        with a fault of its own), and whether the unit may hold NoExecute. Taken once per unit:
+        one GPU failing is one unit of the rate limit, the node-wide test and the budget."""
+        base = dict(kill_switch=self._kill_switch, supports_none=supports_none)
+        if unit in self._raised or self.writer.has_noexecute(keys):
+            self._raised.add(unit)
+            return Safety(**base), True
+        if settling(since, now, self.cfg.taint_settle_seconds, self.cfg.node_fault_window):
+            due = settle_due(since, self.cfg.taint_settle_seconds, self.cfg.node_fault_window)
+            self._next_due = due if self._next_due is None else min(self._next_due, due)
+            return Safety(settling=True, **base), False
+        if node_fault:
+            return Safety(node_fault=True, **base), False
+        if len(self._noexecute_times) >= self.cfg.taint_rate_limit:
+            return Safety(rate_ok=False, **base), False
+        if self._kill_switch:
+            return Safety(**base), True  # nothing is written; nothing to count
+        if self.mode == TaintMode.DRY_RUN:
+            # decides like enforce (rate limit included) but takes no budget: it writes nothing
+            self._raised.add(unit)
+            self._noexecute_times.append(now)
+            return Safety(**base), True
+        try:
+            took = self.budget.take(self._holder(unit))
+        except ApiError as e:
+            # Fail safe: without the budget object no domain is raised beyond NoSchedule.
+            self._announce_once(BUDGET_KEY, Suppression.BUDGET_UNAVAILABLE, f"the cluster NoExecute budget cannot be read or updated ({e}): new faults get NoSchedule only")
+            return Safety(budget_unavailable=True, **base), False
+        self._announced.discard((BUDGET_KEY, Suppression.BUDGET_UNAVAILABLE.value))
+        if not took:
+            self.budget_exhausted = True
+            return Safety(budget_ok=False, **base), False
+        self.budget_exhausted = False
+        self._raised.add(unit)
+        self._noexecute_times.append(now)
+        return Safety(**base), True
+
+    def _holder(self, unit: str) -> str:
+        return f"{self.node}.{unit}"
+
+    def _reconcile_domain(self, dom, health, fatal_since, nodewide, supports_none, now, covered, outcomes) -> None:
+        gpu_fatal = dom.gpu in fatal_since
+        # every device's effective health: its own conditions plus its GPU's GPU-wide ones
+        hs = {t.key: effective_health(t.uuid, t.gpu if t.gpu != t.uuid else "", health) for t in dom.targets}
+        units: dict[str, list[Target]] = {}
+        for t in dom.targets:
+            covered.add(t.uuid)
+            covered.add(t.domain)
+            units.setdefault(dom.gpu if gpu_fatal or t.uuid == dom.gpu else t.uuid, []).append(t)
+        for unit, ts in units.items():
+            keys = [t.key for t in ts]
+            wants_ne = any(wanted(hs[t.key], self.mode, supports_none)[0] == Effect.NO_EXECUTE.value for t in ts)
+            if unit == dom.gpu:
+                since = fatal_since.get(dom.gpu)
+            else:  # an instance's own fatal fault
+                own = health.get(ts[0].uuid)
+                times = [c.since for c in (own.conditions if own else ()) if c.tier == Tier.FATAL]
+                since = min(times) if times else None
+            if wants_ne:
+                safety, _ = self._unit_safety(unit, keys, since, unit in nodewide, supports_none, now)
+            else:
+                safety = Safety(kill_switch=self._kill_switch, supports_none=supports_none)
+            scope = "gpu" if unit == dom.gpu else "instance"
+            for t in ts:
+                self._decide_and_apply(t, hs[t.key], safety, supports_none, now, scope, outcomes)
+
+    def _decide_and_apply(self, t: Target, h: DeviceHealth, safety: Safety, supports_none: bool, now: float, scope: str, outcomes: list[Outcome]) -> None:
+        rule = self.writer.rule(t.key)
+        d = decide(t, h, rule, self.mode, safety, self.cfg.taint_hold_seconds, now, self._admin_deleted_at(t.key, h))
+        held = self._refused.get(t.key)
+        if held is not None:
+            if held[0] == (d.action, d.effect, d.tier) and now < held[1]:
+                return  # refused before; asking again on every pass would only be refused again
+            del self._refused[t.key]
+        what = _suppression(d.suppressed)
+        if what is not None and what != Suppression.NODE_FAULT and d.action in (Action.CREATE, Action.UPDATE, Action.REFRESH, Action.NOTHING, Action.KEEP):
+            self._announce_once(t.key, what, f"{t.device}: {what.value.replace('_', ' ')} limits remediation of {h.worst.value if h.worst else 'healthy'} device {t.uuid}")
+        try:
+            out = self.writer.apply(t, h, rule, d, now, scope)
+        except ApiError as e:
+            if e.retryable:
+                raise  # outage: the whole pass is retried with backoff
+            # The server refused this one write (admission policy, validation, authorization):
+            # report it (collector, /readyz, alert) and go on, or one bad device would block
+            # every device sorted after it on every pass.
+            log.error("remediation_write_rejected", device=t.device, action=d.action.value if isinstance(d.action, Action) else d.action, status=e.status, error=str(e), retry_in=REFUSED_RETRY)
+            self._announce_once(t.key, Suppression.API_REJECTED, f"{t.device}: the API server refused to {_v(d.action)} its DeviceTaintRule: {e}")
+            self._refused[t.key] = ((d.action, d.effect, d.tier), now + REFUSED_RETRY, f"{t.device}: {_v(d.action)} refused ({e.status}): {str(e)[:200]}")
+            return
+        except NameTaken as e:
+            log.error("rule_name_taken", rule=str(e), device=t.device, retry_in=REFUSED_RETRY)
+            self._refused[t.key] = ((d.action, d.effect, d.tier), now + REFUSED_RETRY, f"{t.device}: rule name {e} taken by an object that is not this agent's")
+            self._announce_once(t.key, Suppression.NAME_CONFLICT, f"{t.device}: a DeviceTaintRule named {e} exists and is not this agent's; left alone, so {t.uuid} is not tainted")
+            return
+        if out is not None:
+            outcomes.append(out)
+            if d.action == Action.CREATE and self._admin_deleted.pop(t.key, None) is not None:
+                self._save_admin_deleted()
+        if not d.suppressed and self._announced:
+            # Applied without any limit: this device's suppression episode (if any) is over.
+            self._announced = {tag for tag in self._announced if tag[0] != t.key}
+
+    def _admin_deleted_at(self, key: tuple[str, str, str], h: DeviceHealth) -> float | None:
+        """When an admin's deletion of this device's rule was noticed, for :func:`decide` (which
+        recreates the rule only on evidence newer than that). A deletion read back from the
+        ConfigMap covers a *state* that is still there after a restart (a lost GPU, a failed
+        row remap): the new process sees it "again" but it is the same evidence, so it counts
+        as old for as long as it lasts. Once the device is clean the deletion is forgotten."""
+        entry = self._admin_deleted.get(key)
+        if entry is None:
+            return None
+        if not h.conditions:
+            del self._admin_deleted[key]
+            self._save_admin_deleted()
+            return None
+        fresh = [
+            c for c in h.conditions
+            if c.last_seen > entry.at and (not entry.carried or _event_reason(c.reason) or c.reason != entry.reason)
+        ]
+        return None if fresh else math.inf
+
+    def _release_budget(self, targets: list[Target]) -> None:
+        """Units no longer holding NoExecute give their budget slot back."""
+        with self.writer.lock:
+            ne_units = {self._unit_of_rule(r) for r in self.writer.owned.values() if r.effect == Effect.NO_EXECUTE.value}
+        for unit in list(self._raised):
+            if unit in ne_units:
+                continue
+            if any(t.domain == unit or t.uuid == unit for t in targets) and self._unit_wants_noexecute(unit, targets):
+                continue  # raised this pass, write pending or refused: keep the slot
+            self._raised.discard(unit)
+            if self.mode == TaintMode.DRY_RUN:
+                continue
+            try:
+                self.budget.release(self._holder(unit))
+            except ApiError as e:
+                self._raised.add(unit)  # try again next pass
+                log.warning("budget_release_failed", unit=unit, error=str(e))
+        if isinstance(self.budget, LocalBudget):
+            # (the cluster-wide budgets say "full" only when a take is refused: see _unit_safety)
+            self.budget_exhausted = len(self.budget.held()) >= self.budget.capacity
+
+    def _unit_wants_noexecute(self, unit: str, targets: list[Target]) -> bool:
+        health = self.health.all_health()
+        for t in targets:
+            if t.domain == unit or t.uuid == unit:
+                h = effective_health(t.uuid, t.gpu if t.gpu != t.uuid else "", health)
+                if wanted(h, self.mode, True)[0] == Effect.NO_EXECUTE.value:
+                    return True
+        return False
 
     def _retire_unpublished(self, now: float) -> None:
         """Rules for devices this node no longer publishes (MIG layout changed, driver gone)
@@ -402,8 +559,9 @@ class Remediator:
         if self.slices is None or not getattr(self.slices, "synced", True):
             return
         published = set(self.slices.devices())
-        with self._lock:
-            owned = list(self.owned.items())
+        with self.writer.lock:
+            owned = list(self.writer.owned.items())
+        outcomes: list[Outcome] = []
         for key, rule in owned:
             if key in published or not rule.managed:
                 rule.gone_since = None
@@ -412,200 +570,18 @@ class Remediator:
                 rule.gone_since = now
             if now - rule.gone_since < self.cfg.taint_hold_seconds or self._kill_switch:
                 continue
-            t = Target(driver=rule.driver, pool=rule.pool, device=rule.device, uuid=rule.uuid)
+            t = Target(driver=rule.driver, pool=rule.pool, device=rule.device, uuid=rule.uuid, gpu=rule.gpu)
             try:
-                self._delete(t, rule, Decision("delete", why="device_gone"))
+                out = self.writer.delete(t, rule, Decision(Action.DELETE, why="device_gone"))
             except ApiError as e:
                 if e.retryable:
                     raise
                 log.error("remediation_write_rejected", device=rule.device, action="delete", error=str(e))
-
-    def _apply(self, t: Target, h: DeviceHealth, rule: OwnedRule | None, d: Decision, now: float) -> None:
-        # node_fault is told once for the node (in reconcile), not once per device; an admin's
-        # deletion is respected silently (ADMIN_DELETED is no Suppression).
-        what = _suppression(d.suppressed)
-        if what is not None and what != Suppression.NODE_FAULT and d.action in ("create", "update", "refresh", "nothing", "keep"):
-            self._announce_once(t.key, what, f"{t.device}: {what.value.replace('_', ' ')} limits remediation of {h.worst.value if h.worst else 'healthy'} device {t.uuid}")
-        if d.action in ("nothing", "keep"):
-            if rule is not None and d.calm_since != rule.calm_since and d.action == "keep":
-                rule.calm_since = d.calm_since
-        elif d.action == "create":
-            self._create(t, h, d, now)
-        elif d.action == "update":
-            self._update(t, rule, d, now)
-        elif d.action == "refresh":
-            self._refresh(t, rule, d, now)
-        elif d.action == "delete":
-            self._delete(t, rule, d)
-        if not d.suppressed and self._announced:
-            # Applied without any limit: this device's suppression episode (if any) is over and
-            # a new one gets a new Event. (Not before the write: a write the server keeps
-            # refusing must not be announced again on every pass.)
-            self._announced = {tag for tag in self._announced if tag[0] != t.key}
-
-    def _labels(self, tier: str, sticky: bool) -> dict:
-        labels = {names.MANAGED_BY: names.MANAGED_BY_VALUE, names.NODE_LABEL: self.node, names.TIER_LABEL: tier}
-        if sticky:
-            # Only ever added by the agent; taking it off (or deleting the rule) is the person's
-            # "cleared" (see _resync), so patches never remove it.
-            labels[names.STICKY_LABEL] = "true"
-        return labels
-
-    def _annotations(self, t: Target, d: Decision, first_seen: float | None) -> dict:
-        return {
-            names.UUID_ANNOTATION: t.uuid,
-            names.REASON_ANNOTATION: d.reason,
-            names.EVIDENCE_ANNOTATION: d.evidence[:EVIDENCE_MAX],
-            names.FIRST_SEEN_ANNOTATION: micro_time(first_seen or self.clock()),
-        }
-
-    def _first_seen(self, h: DeviceHealth, tier: str) -> float | None:
-        times = [c.since for c in h.conditions if c.tier.value == tier]
-        return min(times) if times else None
-
-    def _create(self, t: Target, h: DeviceHealth, d: Decision, now: float) -> None:
-        name = names.rule_name(self.node, t.driver, t.pool, t.device)
-        key = f"{names.TAINT_DOMAIN}/{d.tier}"
-        first = self._first_seen(h, d.tier)
-        rule = OwnedRule(
-            name=name, driver=t.driver, pool=t.pool, device=t.device, uuid=t.uuid, effect=d.effect, tier=d.tier, reason=d.reason,
-            evidence=d.evidence[:EVIDENCE_MAX], sticky=d.sticky, created_at=now, refreshed_at=now,
-        )
-        if self.mode == TaintMode.DRY_RUN:
-            rule.virtual = True
-            with self._lock:
-                self.owned[t.key] = rule
-            self.actions["dry_run"] += 1
-            log.warning("taint_dry_run", rule=name, device=t.device, uuid=t.uuid, effect=d.effect, reason=d.reason)
-            return
-        body = self.rules.body(name, t.driver, t.pool, t.device, key, names.label_value(d.reason), d.effect, self._labels(d.tier, d.sticky), self._annotations(t, d, first))
-        try:
-            created = self.rules.create(body)
-            self.actions["create"] += 1
-        except ApiError as e:
-            if e.status != 409:
-                raise
-            existing = self.rules.get(name)
-            adopted = _rule_from_object(existing) if existing else None
-            if adopted is None or (existing.get("metadata", {}).get("labels") or {}).get(names.MANAGED_BY) != names.MANAGED_BY_VALUE:
-                raise NameTaken(name) from None
-            with self._lock:
-                self.owned[t.key] = adopted
-            self.actions["adopt"] += 1
-            log.info("rule_adopted_on_conflict", rule=name)
-            # Typically our own earlier create whose answer was lost: it never got its Event.
-            self._adopted_event(adopted, "it already existed when this agent tried to create it")
-            self.poke()  # its effect may differ from what we want: next pass updates it
-            return
-        rule.uid = (created.get("metadata") or {}).get("uid", "")
-        with self._lock:
-            self.owned[t.key] = rule
-        self._admin_deleted.pop(t.key, None)
-        if d.effect == "NoExecute":
-            self._noexecute_times.append(now)
-            self._cluster_noexecute += 1
-        if first is not None:
-            self.latency.observe(max(0.0, self.clock() - first))
-        log.warning("rule_created", rule=name, device=t.device, uuid=t.uuid, effect=d.effect, tier=d.tier, reason=d.reason, suppressed=d.suppressed or None)
-        self.events.record(
-            {"apiVersion": self.rules.api_version, "kind": "DeviceTaintRule", "name": name},
-            "GPUTainted",
-            f"{t.driver}/{t.pool}/{t.device} ({t.uuid}) tainted {d.effect}: {d.tier} {d.reason}. {d.evidence}",
-            "Taint",
-            warning=True,
-        )
-
-    def _patch(self, t: Target, rule: OwnedRule, d: Decision, now: float) -> bool:
-        """Write ``d``'s effect, tier, reason, evidence and sticky mark onto the rule (one merge
-        patch, same name and uid). False when the rule turned out to be gone."""
-        patch = {
-            "metadata": {
-                # The sticky label only when newly marking: re-sending it would put back a label
-                # a person removed since our last list (a merge patch without it leaves it be).
-                "labels": self._labels(d.tier, d.sticky and not rule.sticky),
-                "annotations": {names.REASON_ANNOTATION: d.reason, names.EVIDENCE_ANNOTATION: d.evidence[:EVIDENCE_MAX]},
-            },
-            "spec": {"taint": {"key": f"{names.TAINT_DOMAIN}/{d.tier}", "value": names.label_value(d.reason), "effect": d.effect}},
-        }
-        try:
-            self.rules.patch(rule.name, patch)
-        except ApiError as e:
-            if e.status == 404:
-                # Deleted behind our back since the last resync: an admin cleared it.
-                log.warning("rule_deleted_by_someone_else", rule=rule.name, device=rule.device)
-                self._deleted_by_someone(t.key, rule)
-                return False
-            raise
-        rule.tier, rule.reason, rule.evidence, rule.refreshed_at = d.tier, d.reason, d.evidence[:EVIDENCE_MAX], now
-        rule.sticky = rule.sticky or d.sticky
-        return True
-
-    def _refresh(self, t: Target, rule: OwnedRule, d: Decision, now: float) -> None:
-        """Same effect, newer record. Told in an Event when it says something new to a person
-        (another reason, the device turned sticky); evidence-only refreshes are not."""
-        if rule.virtual:
-            rule.reason, rule.evidence, rule.sticky, rule.refreshed_at = d.reason, d.evidence[:EVIDENCE_MAX], rule.sticky or d.sticky, now
-            return
-        old_reason, was_sticky = rule.reason, rule.sticky
-        if not self._patch(t, rule, d, now):
-            return
-        self.actions["refresh"] += 1
-        log.info("rule_refreshed", rule=rule.name, device=t.device, reason=d.reason, sticky=rule.sticky)
-        ref = {"apiVersion": self.rules.api_version, "kind": "DeviceTaintRule", "name": rule.name}
-        if rule.sticky and not was_sticky:
-            self.events.record(ref, "GPUTaintSticky", f"{t.device} ({t.uuid}) failed too often: rule {rule.effect} stays until a person deletes it or removes its label {names.STICKY_LABEL}", "Taint", warning=True)
-        elif d.reason != old_reason:
-            self.events.record(ref, "GPUTaintUpdated", f"{t.device} ({t.uuid}) still {rule.effect}: reason {old_reason or 'unknown'} -> {d.reason}. {d.evidence}", "Taint")
-
-    def _update(self, t: Target, rule: OwnedRule, d: Decision, now: float) -> None:
-        if rule.virtual:
-            rule.effect, rule.tier, rule.calm_since = d.effect, d.tier, None
-            rule.reason, rule.evidence, rule.refreshed_at = d.reason, d.evidence[:EVIDENCE_MAX], now
-            self.actions["dry_run"] += 1
-            log.warning("taint_dry_run", rule=rule.name, device=t.device, effect=d.effect)
-            return
-        raising = EFFECT_RANK.get(d.effect, 0) > EFFECT_RANK.get(rule.effect, 0)
-        old = rule.effect
-        if not self._patch(t, rule, d, now):
-            return
-        rule.effect, rule.calm_since = d.effect, None
-        self.actions["update"] += 1
-        if d.effect == "NoExecute" and old != "NoExecute":
-            self._noexecute_times.append(now)
-            self._cluster_noexecute += 1
-        elif old == "NoExecute" and d.effect != "NoExecute":
-            self._cluster_noexecute = max(0, self._cluster_noexecute - 1)
-        reason = "GPUTaintEscalated" if raising else "GPUTaintSteppedDown"
-        log.warning("rule_updated", rule=rule.name, device=t.device, effect_from=old, effect_to=d.effect, tier=d.tier)
-        self.events.record({"apiVersion": self.rules.api_version, "kind": "DeviceTaintRule", "name": rule.name}, reason, f"{t.device} ({t.uuid}): {old} -> {d.effect} ({d.tier} {d.reason})".strip(), "Taint", warning=raising)
-
-    def _delete(self, t: Target, rule: OwnedRule, d: Decision) -> None:
-        with self._lock:
-            self.owned.pop(t.key, None)
-        if rule.virtual:
-            self.actions["dry_run"] += 1
-            return
-        self.rules.delete(rule.name, rule.uid or None)
-        self.actions["delete"] += 1
-        if rule.effect == "NoExecute":
-            self._cluster_noexecute = max(0, self._cluster_noexecute - 1)
-        reason = "HardwareSwapDetected" if d.why == "hardware_swap" else "GPUUntainted"
-        if d.why == "hardware_swap":
-            note = f"{t.device}: the rule named GPU {rule.uuid}, the device is now {t.uuid}; rule removed"
-        elif d.why == "device_gone":
-            note = f"{t.device} ({t.uuid}) no longer published by this node for {self.cfg.taint_hold_seconds:g}s: rule removed"
-        else:
-            note = f"{t.device} ({t.uuid}) healthy for {self.cfg.taint_hold_seconds:g}s: rule removed"
-        log.warning("rule_deleted", rule=rule.name, device=t.device, why=d.why)
-        self.events.record({"apiVersion": self.rules.api_version, "kind": "DeviceTaintRule", "name": rule.name}, reason, note, "Untaint")
-
-    def _adopted_event(self, rule: OwnedRule, how: str) -> None:
-        self.events.record(
-            {"apiVersion": self.rules.api_version, "kind": "DeviceTaintRule", "name": rule.name},
-            "GPUTaintAdopted",
-            f"{rule.driver}/{rule.pool}/{rule.device} ({rule.uuid or 'unknown GPU'}): rule with effect {rule.effect} adopted: {how}",
-            "Adopt",
-        )
+                continue
+            if out is not None:
+                outcomes.append(out)
+        if outcomes:
+            self.writer.tell(outcomes)
 
     def _announce_once(self, key: tuple[str, str, str], what: Suppression, note: str) -> None:
         """One Warning Event and one counter increment per (device, suppression) episode.
@@ -619,8 +595,7 @@ class Remediator:
         self._announced.add(tag)
         self.suppressed[what.value] += 1
         log.warning("remediation_suppressed", what=what.value, device=key[2] or None, note=note)
-        if self.mode != TaintMode.DRY_RUN:
-            self.events.record(node_ref(self.node), "HealthRemediationSuppressed", note, "Taint", warning=True)
+        self.writer.node_event("HealthRemediationSuppressed", note, "Taint", warning=True)
 
     def _device_plugin_notices(self, health: dict[str, DeviceHealth], covered: set[str]) -> None:
         """GPUs no DRA device maps to (device-plugin GPUs) get Events but no rule: nothing can
@@ -635,17 +610,43 @@ class Remediator:
             if prev == state or (prev is None and not state):
                 continue  # no change, or healthy from the start: nothing to tell
             note = f"GPU {ident.uuid} ({ident.pci_bus_id}) is {state or 'healthy again'}" + (f": {h.conditions[0].reason}" if state else "") + "; not DRA-managed, so no DeviceTaintRule can select it"
-            if self.mode != TaintMode.DRY_RUN:
-                self.events.record(node_ref(self.node), "GPUUnhealthy" if state else "GPUHealthy", note, "Observe", warning=bool(state))
+            self.writer.node_event("GPUUnhealthy" if state else "GPUHealthy", note, "Observe", warning=bool(state))
 
     # -- outputs -------------------------------------------------------------------------------
     def rule_views(self) -> tuple[TaintRuleView, ...]:
-        with self._lock:
+        with self.writer.lock:
             return tuple(
                 TaintRuleView(driver=r.driver, pool=r.pool, device=r.device, effect=r.effect, tier=r.tier)
-                for r in sorted(self.owned.values(), key=lambda r: r.key)
+                for r in sorted(self.writer.owned.values(), key=lambda r: r.key)
                 if not r.virtual
             )
+
+    def refused(self) -> tuple[str, ...]:
+        """Writes the API server refuses right now, one line each (for /readyz and the collector)."""
+        return tuple(v[2] for _, v in sorted(self._refused.items()))
+
+    def report(self) -> RemediationReport:
+        return RemediationReport(
+            mode=self.mode.value,
+            active=self.active,
+            ok=self.ok or self.last_error is None,
+            error=self.last_error or "",
+            refused=self.refused(),
+            rules=self.rule_views(),
+            actions=dict(self.actions),
+            suppressed=dict(self.suppressed),
+            budget_exhausted=self.budget_exhausted,
+            latency=self.latency,
+        )
+
+
+def _event_reason(reason: str) -> bool:
+    """Conditions opened by an event (new evidence each time) rather than a polled state."""
+    return reason.startswith("xid_") or reason in ("ecc_double_bit", "gpu_lost_event", "ras_error")
+
+
+def _v(action: Any) -> str:
+    return action.value if isinstance(action, Action) else str(action)
 
 
 def _suppression(value: str) -> Suppression | None:

@@ -1,43 +1,5 @@
-"""Names this agent writes into the cluster. Changing any of them orphans existing rules.
+"""The names this agent writes into the cluster live in :mod:`exporter.k8s.names` (the k8s layer
+writes them and must not import the remediator); re-exported here for the remediator's code."""
 
-The ValidatingAdmissionPolicy in daemonset.yaml checks the same domain, prefix and labels.
-"""
-
-from __future__ import annotations
-
-import hashlib
-import re
-
-DOMAIN = "dra-gpu-exporter.io"
-TAINT_DOMAIN = f"gpu-health.{DOMAIN}"  # taint keys: gpu-health.dra-gpu-exporter.io/<tier>
-NAME_PREFIX = "dra-gpu-exporter-"
-MANAGED_BY = "app.kubernetes.io/managed-by"
-MANAGED_BY_VALUE = "dra-gpu-exporter"
-NODE_LABEL = f"{DOMAIN}/node"
-TIER_LABEL = f"{DOMAIN}/tier"
-STICKY_LABEL = f"{DOMAIN}/sticky"
-KILL_SWITCH_LABEL = f"{DOMAIN}/remediation"  # node label; value "disabled" stops new actions
-UNMANAGED_ANNOTATION = f"{DOMAIN}/managed"  # rule annotation; "false" = hands off
-UUID_ANNOTATION = f"{DOMAIN}/gpu-uuid"
-REASON_ANNOTATION = f"{DOMAIN}/reason"
-EVIDENCE_ANNOTATION = f"{DOMAIN}/evidence"
-FIRST_SEEN_ANNOTATION = f"{DOMAIN}/first-seen"
-REPORTING_CONTROLLER = f"{DOMAIN}/agent"
-
-
-def rule_name(node: str, driver: str, pool: str, device: str) -> str:
-    """A DNS-subdomain name, unique per (node, driver, pool, device), at most 253 characters.
-
-    Rules are cluster-scoped, so the name must be unique cluster-wide; a hash of the full key
-    keeps truncated names distinct.
-    """
-    digest = hashlib.sha256(f"{driver}/{pool}/{device}".encode()).hexdigest()[:10]
-    body = re.sub(r"[^a-z0-9.-]+", "-", f"{node}-{device}".lower()).strip("-.")
-    room = 253 - len(NAME_PREFIX) - len(digest) - 1
-    return f"{NAME_PREFIX}{body[:room].rstrip('-.')}-{digest}"
-
-
-def label_value(s: str) -> str:
-    """Squeeze ``s`` into a valid label value (<= 63 chars, alphanumeric ends)."""
-    v = re.sub(r"[^A-Za-z0-9_.-]+", "_", s)[:63]
-    return v.strip("_.-")
+from ..k8s.names import *  # noqa: F401,F403
+from ..k8s.names import rule_name, label_value, node_state_name  # noqa: F401

@@ -28,14 +28,38 @@ the device recovers do not rename a rule that is about to step down anyway.
 
 from __future__ import annotations
 
+import enum
+import math
 from dataclasses import dataclass
+from typing import Mapping
 
 from ..config import TaintMode
 from ..health.model import DeviceHealth, Tier
 from .reasons import Suppression
 
-EFFECT_RANK = {"None": 0, "NoSchedule": 1, "NoExecute": 2}
-TIER_EFFECT = {Tier.FATAL: "NoExecute", Tier.DEGRADED: "NoSchedule", Tier.INFORMATIONAL: "None"}
+
+
+class Effect(str, enum.Enum):
+    """A DeviceTaintRule's taint effect (the API's own spelling)."""
+
+    NONE = "None"
+    NO_SCHEDULE = "NoSchedule"
+    NO_EXECUTE = "NoExecute"
+
+
+class Action(str, enum.Enum):
+    """What the writer does with one device's rule (also the taint_actions_total label)."""
+
+    NOTHING = "nothing"
+    CREATE = "create"
+    UPDATE = "update"
+    REFRESH = "refresh"
+    DELETE = "delete"
+    KEEP = "keep"
+
+
+EFFECT_RANK = {Effect.NONE.value: 0, Effect.NO_SCHEDULE.value: 1, Effect.NO_EXECUTE.value: 2}
+TIER_EFFECT = {Tier.FATAL: Effect.NO_EXECUTE.value, Tier.DEGRADED: Effect.NO_SCHEDULE.value, Tier.INFORMATIONAL: Effect.NONE.value}
 EVIDENCE_MAX = 1024  # characters of evidence kept in the rule's annotation
 RECORD_REFRESH = 60.0  # seconds between two rewrites of a rule's reason and evidence
 # A decision-only note, never counted or announced: an admin deleted the rule and no new
@@ -51,6 +75,11 @@ class Target:
     pool: str
     device: str
     uuid: str  # the local device (a MIG instance's own uuid for MIG devices)
+    gpu: str = ""  # the physical GPU (fault domain) it lives on; "" = uuid
+
+    @property
+    def domain(self) -> str:
+        return self.gpu or self.uuid
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -76,6 +105,10 @@ class OwnedRule:
     created_at: float | None = None
     virtual: bool = False  # dry-run: what would exist; never written, never exported as a rule
     refreshed_at: float | None = None  # when this agent last wrote reason and evidence
+    gpu: str = ""  # the fault domain (physical GPU) the rule was written for
+    scope: str = "gpu"  # "gpu": a GPU-wide fault; "instance": one MIG instance's own fault
+    first_seen: float | None = None  # first evidence, as annotated
+    reset_required: bool = False  # a fatal fault: only an observed GPU reset clears it
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -89,11 +122,13 @@ class Safety:
     budget_ok: bool = True  # the cluster-wide NoExecute budget has room
     node_fault: bool = False  # most of this node's GPUs failed together
     supports_none: bool = True
+    settling: bool = False  # a new fatal fault inside its settle window: NoSchedule until it ends
+    budget_unavailable: bool = False  # the cluster budget object cannot be read: NoSchedule (fail safe)
 
 
 @dataclass(frozen=True)
 class Decision:
-    action: str  # nothing | create | update | refresh | delete | keep
+    action: Action
     effect: str = ""
     tier: str = ""
     reason: str = ""
@@ -109,21 +144,27 @@ def wanted(health: DeviceHealth, mode: TaintMode, supports_none: bool) -> tuple[
     tier = health.worst
     if tier is None or mode == TaintMode.OFF:
         return None, tier
-    effect = "None" if mode == TaintMode.SHADOW else TIER_EFFECT[tier]
-    if effect == "None" and not supports_none:
+    effect = Effect.NONE.value if mode == TaintMode.SHADOW else TIER_EFFECT[tier]
+    if effect == Effect.NONE.value and not supports_none:
         return None, tier
     return effect, tier
 
 
 def _limit(effect: str, safety: Safety) -> tuple[str | None, str]:
-    if effect != "NoExecute":
+    if effect != Effect.NO_EXECUTE.value:
         return effect, ""
+    if safety.settling:
+        # Fence now (nothing new lands), evict once the picture is clear: not a suppression,
+        # the raise is only pending.
+        return Effect.NO_SCHEDULE.value, ""
     if safety.node_fault:
-        return "NoSchedule", Suppression.NODE_FAULT
+        return Effect.NO_SCHEDULE.value, Suppression.NODE_FAULT
     if not safety.rate_ok:
-        return "NoSchedule", Suppression.RATE_LIMIT
+        return Effect.NO_SCHEDULE.value, Suppression.RATE_LIMIT
+    if safety.budget_unavailable:
+        return Effect.NO_SCHEDULE.value, Suppression.BUDGET_UNAVAILABLE
     if not safety.budget_ok:
-        return ("None" if safety.supports_none else "NoSchedule"), Suppression.BUDGET
+        return (Effect.NONE.value if safety.supports_none else Effect.NO_SCHEDULE.value), Suppression.BUDGET
     return effect, ""
 
 
@@ -159,13 +200,13 @@ def decide(
     sticky = health.sticky or (rule is not None and rule.sticky)
 
     if rule is not None and not rule.managed:
-        return Decision("nothing", suppressed=Suppression.UNMANAGED)
+        return Decision(Action.NOTHING, suppressed=Suppression.UNMANAGED)
     if rule is not None and rule.uuid and target.uuid and rule.uuid != target.uuid:
         # Rules select by name; another GPU now answers to this name, so the rule's evidence
         # is about hardware that is gone.
         if safety.kill_switch:
-            return Decision("keep", suppressed=Suppression.KILL_SWITCH)
-        return Decision("delete", why="hardware_swap")
+            return Decision(Action.KEEP, suppressed=Suppression.KILL_SWITCH)
+        return Decision(Action.DELETE, why="hardware_swap")
 
     if effect is None:
         limited, suppressed = None, ""
@@ -182,46 +223,87 @@ def decide(
 
     if rule is None:
         if limited is None:
-            return Decision("nothing")
+            return Decision(Action.NOTHING)
         if admin_deleted_at is not None and (worst is None or worst.last_seen <= admin_deleted_at):
-            return Decision("nothing", suppressed=ADMIN_DELETED)
+            return Decision(Action.NOTHING, suppressed=ADMIN_DELETED)
         if safety.kill_switch:
-            return Decision("nothing", suppressed=Suppression.KILL_SWITCH)
-        return Decision("create", effect=limited, tier=tier.value if tier else "", reason=reason, evidence=evidence, sticky=sticky, suppressed=suppressed)
+            return Decision(Action.NOTHING, suppressed=Suppression.KILL_SWITCH)
+        return Decision(Action.CREATE, effect=limited, tier=tier.value if tier else "", reason=reason, evidence=evidence, sticky=sticky, suppressed=suppressed)
 
     current = EFFECT_RANK.get(rule.effect, 0)
     target_rank = EFFECT_RANK[limited] if limited is not None else -1
     if target_rank > current or (target_rank == current and limited is not None and tier is not None and tier.value != rule.tier):
         if safety.kill_switch:
-            return Decision("keep", suppressed=Suppression.KILL_SWITCH)
-        return Decision("update", effect=limited, tier=tier.value if tier else rule.tier, reason=reason, evidence=evidence, sticky=sticky, suppressed=suppressed)
+            return Decision(Action.KEEP, suppressed=Suppression.KILL_SWITCH)
+        return Decision(Action.UPDATE, effect=limited, tier=tier.value if tier else rule.tier, reason=reason, evidence=evidence, sticky=sticky, suppressed=suppressed)
     if target_rank == current:
         if _stale(rule, reason, evidence, sticky, now):
             if safety.kill_switch:
-                return Decision("keep", suppressed=Suppression.KILL_SWITCH)
-            return Decision("refresh", effect=rule.effect, tier=rule.tier, reason=reason, evidence=evidence, sticky=sticky, suppressed=suppressed)
-        return Decision("keep", suppressed=suppressed)
+                return Decision(Action.KEEP, suppressed=Suppression.KILL_SWITCH)
+            return Decision(Action.REFRESH, effect=rule.effect, tier=rule.tier, reason=reason, evidence=evidence, sticky=sticky, suppressed=suppressed)
+        return Decision(Action.KEEP, suppressed=suppressed)
 
     if sticky:
         # Re-failed too often: whatever the device says now, a person decides when it is
         # trusted again. The rule is never lowered, only marked (once) so that person finds it.
         if rule.sticky:
-            return Decision("keep", suppressed=suppressed)
+            return Decision(Action.KEEP, suppressed=suppressed)
         if safety.kill_switch:
-            return Decision("keep", suppressed=Suppression.KILL_SWITCH)
-        return Decision("refresh", effect=rule.effect, tier=rule.tier, reason=reason or rule.reason, evidence=evidence if reason else rule.evidence, sticky=True, suppressed=suppressed)
+            return Decision(Action.KEEP, suppressed=Suppression.KILL_SWITCH)
+        return Decision(Action.REFRESH, effect=rule.effect, tier=rule.tier, reason=reason or rule.reason, evidence=evidence if reason else rule.evidence, sticky=True, suppressed=suppressed)
     # The device wants less than the rule says: step down once the hold period has passed.
     calm = rule.calm_since if rule.calm_since is not None else now
     if now - calm < hold:
-        return Decision("keep", calm_since=calm)
+        return Decision(Action.KEEP, calm_since=calm)
     if safety.kill_switch:
-        return Decision("keep", calm_since=calm, suppressed=Suppression.KILL_SWITCH)
-    if rule.effect == "NoExecute" and target_rank < EFFECT_RANK["NoSchedule"]:
-        step = "NoSchedule"
+        return Decision(Action.KEEP, calm_since=calm, suppressed=Suppression.KILL_SWITCH)
+    if rule.effect == Effect.NO_EXECUTE.value and target_rank < EFFECT_RANK[Effect.NO_SCHEDULE.value]:
+        step = Effect.NO_SCHEDULE.value
     else:
         step = limited
-    if step is None or (step == "None" and rule.effect == "None"):
-        return Decision("delete", why="recovered")
+    if step is None or (step == Effect.NONE.value and rule.effect == Effect.NONE.value):
+        return Decision(Action.DELETE, why="recovered")
     # A device with nothing left to show keeps the record of why it was tainted.
     reason, evidence = (reason, evidence) if reason else (rule.reason, rule.evidence)
-    return Decision("update", effect=step, tier=tier.value if (tier is not None and step == limited) else rule.tier, reason=reason, evidence=evidence, calm_since=None)
+    return Decision(Action.UPDATE, effect=step, tier=tier.value if (tier is not None and step == limited) else rule.tier, reason=reason, evidence=evidence, calm_since=None)
+
+
+# --------------------------------------------------------------------------- fault-domain rails
+# Pure functions over plain data: which fault domains' failures form a node-wide fault, and
+# whether a domain's NoExecute may be written now. The engine counts every rail in domains.
+
+
+def node_wide(fatal_since: Mapping[str, float], gpus: int, fraction: float, window: float) -> set[str]:
+    """The GPUs whose fatal fault is part of a node-wide one.
+
+    A GPU's fault is node-wide when, counting the GPUs whose GPU-wide fatal fault began within
+    ``window`` seconds of its own (itself included), more than ``fraction`` of the node's
+    ``gpus`` physical GPUs failed: "a majority within the window" at the default 0.5. A
+    failure minutes after another is judged on its own, so on a 4-GPU node a second GPU
+    failing a minute after the first is not a node fault.
+    """
+    if gpus < 2:
+        return set()
+    need = max(2, math.floor(fraction * gpus) + 1)  # strictly more than the fraction
+    out = set()
+    times = sorted(fatal_since.values())
+    for gpu, since in fatal_since.items():
+        near = sum(1 for t in times if abs(t - since) <= window)
+        if near >= need:
+            out.add(gpu)
+    return out
+
+
+def settling(fatal_since: float | None, now: float, settle: float, window: float) -> bool:
+    """Whether a domain's new fatal fault is still inside its settle window.
+
+    It waits for the longer of the settle time and the node-fault window, so a raise to
+    NoExecute is never taken before the node-wide test for it is final."""
+    if fatal_since is None:
+        return False
+    return now - fatal_since < max(settle, window)
+
+
+def settle_due(fatal_since: float, settle: float, window: float) -> float:
+    """When a settling domain's raise is due (for the loop's next wake-up)."""
+    return fatal_since + max(settle, window)

@@ -12,6 +12,7 @@ import enum
 
 class Suppression(str, enum.Enum):
     BUDGET = "budget"  # cluster-wide NoExecute budget used up: effect None (NoSchedule without None)
+    BUDGET_UNAVAILABLE = "budget_unavailable"  # the budget object cannot be read or updated: NoSchedule (fail safe)
     RATE_LIMIT = "rate_limit"  # too many new NoExecute rules on this node in the window: NoSchedule
     NODE_FAULT = "node_fault"  # most of the node's GPUs failed at once: NoSchedule only
     KILL_SWITCH = "kill_switch"  # the node carries the kill-switch label: no writes

@@ -1,0 +1,92 @@
+"""The cluster NoExecute budget as the remediator sees it: take a slot when a fault domain is
+raised to NoExecute, give it back when the domain steps down or is untainted.
+
+The cluster-wide implementation is :class:`exporter.k8s.budget.ClusterBudget` (one ConfigMap,
+resourceVersion-guarded updates). :class:`LocalBudget` is the same contract inside one process:
+for dry-run (which writes nothing) and for an agent without a namespace to keep the object in.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+
+class Budget(Protocol):
+    def take(self, holder: str) -> bool: ...  # False when full; idempotent for a holder
+    def release(self, holder: str) -> None: ...
+    def held(self, prefix: str | None = None) -> set[str]: ...
+
+
+class LocalBudget:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._held: set[str] = set()
+        self._lock = threading.Lock()
+
+    def take(self, holder: str) -> bool:
+        with self._lock:
+            if holder in self._held:
+                return True
+            if len(self._held) >= self.capacity:
+                return False
+            self._held.add(holder)
+            return True
+
+    def release(self, holder: str) -> None:
+        with self._lock:
+            self._held.discard(holder)
+
+    def held(self, prefix: str | None = None) -> set[str]:
+        with self._lock:
+            return {h for h in self._held if prefix is None or h.startswith(prefix)}
+
+
+class RuleCountBudget:
+    """Stand-in until the cluster budget object is deployed: counts the fault domains under
+    this agent family's NoExecute rules cluster-wide (label-selected list) when a domain is to be
+    raised, and only then, so it costs nothing at rest. Unlike the budget object it is not safe
+    against agents raising at the same moment (each may count the same free slot)."""
+
+    def __init__(self, rules, capacity: int) -> None:
+        self.rules = rules  # exporter.k8s.taintrules.TaintRuleClient
+        self.capacity = capacity
+        self._held: set[str] = set()
+        self._lock = threading.Lock()
+
+    def _cluster(self) -> set[str]:
+        from ..k8s import names
+
+        out = set()
+        for o in self.rules.list_owned(None):
+            meta, spec = o.get("metadata") or {}, o.get("spec") or {}
+            if (spec.get("taint") or {}).get("effect") != "NoExecute":
+                continue
+            labels, ann = meta.get("labels") or {}, meta.get("annotations") or {}
+            unit = ann.get(names.GPU_ANNOTATION) or ann.get(names.UUID_ANNOTATION) or meta.get("name", "")
+            if ann.get(names.SCOPE_ANNOTATION) == "instance":
+                unit = ann.get(names.UUID_ANNOTATION) or unit
+            out.add(f"{labels.get(names.NODE_LABEL, '')}.{unit}")
+        return out
+
+    def take(self, holder: str) -> bool:
+        with self._lock:
+            if holder in self._held:
+                return True
+        held = self._cluster() | self.held()
+        with self._lock:
+            if holder in held:
+                self._held.add(holder)
+                return True
+            if len(held) >= self.capacity:
+                return False
+            self._held.add(holder)
+            return True
+
+    def release(self, holder: str) -> None:
+        with self._lock:
+            self._held.discard(holder)
+
+    def held(self, prefix: str | None = None) -> set[str]:
+        with self._lock:
+            return {h for h in self._held if prefix is None or h.startswith(prefix)}
