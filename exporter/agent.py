@@ -25,6 +25,7 @@ from .k8s.model import ClaimInfo, PodInfo
 from .kubelet.model import AllocationSource, PodResourcesSnapshot
 from .metrics.render import Renderer, RenderState
 from .metrics.server import MetricsServer
+from .metrics.webconfig import load_web_config
 from .model.join import JoinInputs, join
 from .model.lost import lost_devices
 from .model.snapshot import Snapshot
@@ -98,7 +99,13 @@ class Agent:
         if serve:
             # First: /healthz answers and /readyz says "no device data yet" even while a
             # driver is slow to open or enumerate, instead of refusing connections.
-            self.server = MetricsServer(self.cfg.listen_host, self.cfg.listen_port, self.readiness, liveness=self.liveness)
+            self.server = MetricsServer(
+                self.cfg.listen_host,
+                self.cfg.listen_port,
+                self.readiness,
+                liveness=self.liveness,
+                web_config=load_web_config(self.cfg.web_config_file) if self.cfg.web_config_file else None,
+            )
             self.server.start()
         try:
             self._start_sources()
@@ -408,6 +415,7 @@ class Agent:
             pod_label_allowlist=self.cfg.pod_label_allowlist,
             dcgm_compat=self.cfg.dcgm_compat_labels,
             excluded=self.cfg.exclude_metrics,
+            http=self.server.stats() if self.server is not None else None,
         )
         exp = self.renderer.render(state)
         if self.server is not None:

@@ -12,7 +12,7 @@ from typing import Protocol, cast
 import structlog
 
 from . import __version__
-from .config import Config, ConfigError, build_parser, check_kubelet_socket, resolve
+from .config import Config, ConfigError, build_parser, check_kubelet_socket, one_line, resolve
 from .logs import configure
 
 log = structlog.get_logger("exporter")
@@ -53,12 +53,41 @@ def load_demo() -> DemoCommand | str:
         return f"the demo needs the simulator package (drasim), which is not installed here ({e}); the container image leaves it out: run the demo from `pip install dra-gpu-exporter`"
 
 
-def stop_on_signals(done: threading.Event) -> None:
-    """Set ``done`` on SIGINT or SIGTERM (the kubelet stops pods with SIGTERM). Main thread only."""
+
+def check_web_config(cfg: Config) -> str | None:
+    """One line saying what is wrong with --web-config-file, or None (also when there is none)."""
+    if not cfg.web_config_file:
+        return None
+    from .metrics.webconfig import WebConfigError, load_web_config
+
+    try:
+        load_web_config(cfg.web_config_file)
+    except WebConfigError as e:
+        return one_line(f"--web-config-file {cfg.web_config_file}: {e}")
+    return None
+
+
+# The DaemonSet's terminationGracePeriodSeconds is 10: the process must be gone before the
+# kubelet's SIGKILL, whatever part of the shutdown hangs (a wedged driver call, a blocked stderr).
+EXIT_DEADLINE = 8.0
+
+
+def stop_on_signals(done: threading.Event, exit_deadline: float | None = None) -> None:
+    """Set ``done`` on SIGINT or SIGTERM (the kubelet stops pods with SIGTERM). Main thread only.
+
+    With ``exit_deadline``, a clean stop gets that many seconds; then, or at a second signal, the
+    process ends at once. ``done`` is set before anything that can block (logging to a stalled
+    stderr)."""
 
     def handler(signum: int, frame: object) -> None:
-        log.info("signal_received", signal=signal.Signals(signum).name)
+        if done.is_set() and exit_deadline is not None:
+            os._exit(1)  # a second signal: the user means it
         done.set()
+        if exit_deadline is not None:
+            watchdog = threading.Timer(exit_deadline, os._exit, (1,))
+            watchdog.daemon = True
+            watchdog.start()
+        log.info("signal_received", signal=signal.Signals(signum).name)
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
@@ -81,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = resolve(ns)
     except ConfigError as e:
         return _fail(str(e))
+    if (problem := check_web_config(cfg)) is not None:
+        return _fail(problem)
     configure(cfg.log_format, cfg.log_level)
     if demo is not None:
         return demo.run_demo(cfg)
@@ -105,7 +136,7 @@ def run_agent(cfg: Config) -> int:
         log.error("start_failed", error=str(e))
         return _fail(str(e), 1)
     done = threading.Event()
-    stop_on_signals(done)
+    stop_on_signals(done, EXIT_DEADLINE)
     try:
         done.wait()
     finally:

@@ -89,6 +89,8 @@ class Config:
     # counts as hung (driver_hung, fatal), and how long a fatal fault stays after a GPU reset
     hung_after: float = 30.0
     fault_clear_seconds: float = 120.0
+    # HTTP endpoint: TLS, client certificates, basic auth (exporter-toolkit format)
+    web_config_file: str | None = None
     # demo only
     scenario: str | None = None
     time_scale: float = 1.0
@@ -268,6 +270,7 @@ def _add_common(p: argparse.ArgumentParser, demo: bool = False) -> None:
     # health evidence
     p.add_argument("--hung-after", metavar="SECONDS", help="a device call stuck this long, while the agent itself gets CPU, makes the device driver_hung (fatal) (default 30)")
     p.add_argument("--fault-clear-seconds", metavar="SECONDS", help="a fatal fault clears this long after a GPU reset, a polled fault this long after it was last seen (default 120)")
+    p.add_argument("--web-config-file", metavar="PATH", help="TLS, client-certificate and basic-auth settings for the HTTP endpoint, in the Prometheus exporter-toolkit format")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -427,6 +430,13 @@ def _resolve(ns: argparse.Namespace, pick: Callable[..., str | None]) -> Config:
         kw["hung_after"] = _positive_float("--hung-after", v, 0, 3600)
     if (v := pick("fault-clear-seconds")) is not None:
         kw["fault_clear_seconds"] = _positive_float("--fault-clear-seconds", v, 0, 7 * 86400)
+
+    if (v := pick("web-config-file")) is not None and v != "":
+        # only that it exists here: its contents are checked by the CLI (exporter.metrics.webconfig,
+        # a layer config must not import), before anything starts, with the same exit code 2
+        if not _is_file(v):
+            raise ConfigError(f"--web-config-file {v}: no such file")
+        kw["web_config_file"] = v
 
     demo = getattr(ns, "command", None) == "demo"
     if demo:

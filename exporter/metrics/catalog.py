@@ -84,6 +84,12 @@ CATALOG: tuple[MetricDef, ...] = (
     _m("dra_gpu_exporter_cycles_total", "counter", "", "Collection cycles run"),
     _m("dra_gpu_exporter_starved", "gauge", "", "1 while the agent itself is starved of CPU (scheduling lag, cgroup throttling, device calls that never started): its late device reads are not held against the GPUs"),
     _m("dra_gpu_exporter_scheduling_lag_seconds", "gauge", "", "Worst lateness of the agent's own threads (scheduling-lag probe, sampler) over the starvation window"),
+    # the HTTP server's own bounds (updated once per cycle)
+    _m("dra_gpu_exporter_http_connections_open", "gauge", "", "HTTP connections open now"),
+    _m("dra_gpu_exporter_http_connection_limit", "gauge", "", "Most HTTP connections held open at once (kept below the open-file limit)"),
+    _m("dra_gpu_exporter_http_connections_rejected_total", "counter", "reason", "HTTP connections closed by the server without a request served: refused (at the limit: none idle, or nothing sent while connections queue), evicted (idle, made room for a new one), tls_failed (handshake failed)"),
+    _m("dra_gpu_exporter_http_timeouts_total", "counter", "phase", "HTTP connections cut off for being slow: idle (no request), header (request head not complete), write (response not read), tls_handshake"),
+    _m("dra_gpu_exporter_http_requests_total", "counter", "code", "HTTP requests answered, by status code"),
 )
 
 BY_NAME = {m.name: m for m in CATALOG}

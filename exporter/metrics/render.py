@@ -36,6 +36,7 @@ from .. import __version__
 from ..devices.model import DeviceReading
 from ..model.snapshot import Snapshot
 from .catalog import BY_NAME
+from .webstats import HttpStats
 
 # gzip level for /metrics, chosen by measurement on the dense node's ~600 KB body
 # (bench/run.py gzip): level 1 costs about a third of level 5's CPU for a body ~25 % larger,
@@ -78,6 +79,7 @@ class RenderState:
     excluded: frozenset[str] = frozenset()  # catalog names left out (--exclude-metrics)
     starved: bool | None = None  # the agent itself is starved of CPU (exporter.health.starvation)
     scheduling_lag: float | None = None  # worst scheduling lag of the agent's threads, seconds
+    http: HttpStats | None = None  # the HTTP server's own counters (team endpoint); None when not serving
 
 
 class _RowFamily:
@@ -242,6 +244,25 @@ class SnapshotCollector(Collector):
             lag = _fam("dra_gpu_exporter_scheduling_lag_seconds")
             lag.add_metric([node], st.scheduling_lag)
             yield lag
+        if st.http is not None:
+            yield from self._http(node, st.http)
+
+    def _http(self, node: str, h: HttpStats) -> Iterable[Metric]:
+        o = _fam("dra_gpu_exporter_http_connections_open")
+        o.add_metric([node], h.connections_open)
+        lim = _fam("dra_gpu_exporter_http_connection_limit")
+        lim.add_metric([node], h.connection_limit)
+        closed = _fam("dra_gpu_exporter_http_connections_rejected_total")
+        closed.add_metric([node, "refused"], h.refused)
+        closed.add_metric([node, "evicted"], h.evicted)
+        closed.add_metric([node, "tls_failed"], h.tls_failed)
+        to = _fam("dra_gpu_exporter_http_timeouts_total")
+        for phase in ("idle", "header", "write", "tls_handshake"):
+            to.add_metric([node, phase], h.timed_out.get(phase, 0))
+        req = _fam("dra_gpu_exporter_http_requests_total")
+        for code, n in sorted(h.requests.items()):
+            req.add_metric([node, code], n)
+        yield from (o, lim, closed, to, req)
 
     def _compat_rows(self, snap: Snapshot) -> dict[str, list[tuple[str, ...]]]:
         rows: dict[str, list[tuple[str, ...]]] = {}
