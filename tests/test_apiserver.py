@@ -110,7 +110,7 @@ def test_discovery_follows_the_release(version: str, preferred: str, rule_versio
         assert {"resource.k8s.io", "events.k8s.io", "coordination.k8s.io"} <= set(groups)
         assert groups[DRA].preferred_version.version == preferred
         assert [r.name for r in client.CoreV1Api(c).get_api_resources().resources
-                if "/" not in r.name] == ["namespaces", "nodes", "pods", "events"]
+                if "/" not in r.name] == ["namespaces", "nodes", "pods", "events", "configmaps"]
         # Which resource.k8s.io version holds DeviceTaintRule, through raw discovery.
         holders = []
         for v in groups[DRA].versions:
