@@ -34,6 +34,7 @@ __all__ = [
     "ApiClient",
     "ApiError",
     "ApiUnavailable",
+    "ResponseTooLarge",
     "KubeconfigError",
     "WatchStream",
     "connect",
@@ -54,6 +55,13 @@ DEFAULT_TIMEOUT: tuple[float, float] = (5.0, 30.0)
 #: how much longer than the server-side ``timeoutSeconds`` the client waits for a watch byte before
 #: declaring the connection dead (servers send bookmarks; a silent TCP drop sends nothing)
 WATCH_READ_GRACE = 30.0
+#: Largest response body read into memory (after decompression). A node-scoped list is a few
+#: hundred KiB; an answer larger than this is a broken or hostile server, not data to hold.
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+#: Largest single watch event line (one object); a stream that never sends a newline is cut here.
+MAX_WATCH_LINE_BYTES = 16 * 1024 * 1024
+#: Largest error body read (a Status object is a few hundred bytes).
+MAX_ERROR_BYTES = 1024 * 1024
 
 JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"
@@ -99,6 +107,45 @@ class ApiError(Exception):
 
 class ApiUnavailable(ApiError):
     """No HTTP response at all: connection refused or reset, timeout, TLS failure."""
+
+
+class ResponseTooLarge(ApiUnavailable):
+    """The server sent more than the bound allows (a body, or one watch line): the connection is
+    dropped and the request counts as failed, so callers retry it with their usual backoff."""
+
+
+def _too_large(what: str, limit: int) -> ResponseTooLarge:
+    return ResponseTooLarge(status=0, reason="ResponseTooLarge", message=f"{what} exceeds {limit} bytes; connection dropped")
+
+
+def _drop(raw: Any) -> None:
+    try:
+        raw.close()
+    except Exception:  # already closed or released: nothing left to free
+        pass
+
+
+def _read_bounded(resp: Any, limit: int) -> bytes:
+    """Read a response body, refusing to hold more than ``limit`` bytes of it (decoded)."""
+    raw = getattr(resp, "response", None)
+    if raw is None or not hasattr(raw, "read"):
+        data = resp.read() or b""  # not a streaming response (tests' stand-ins): already in memory
+        if len(data) > limit:
+            raise _too_large("response body", limit)
+        return data
+    declared = (raw.headers or {}).get("Content-Length", "")
+    if declared.isdigit() and int(declared) > limit:
+        _drop(raw)
+        raise _too_large(f"response body ({declared} bytes declared)", limit)
+    buf = bytearray()
+    while True:
+        chunk = raw.read(65536, decode_content=True)
+        if not chunk:
+            return bytes(buf)
+        buf.extend(chunk)
+        if len(buf) > limit:
+            _drop(raw)
+            raise _too_large("response body", limit)
 
 
 # --------------------------------------------------------------------------- connecting
@@ -228,8 +275,8 @@ def _send(
         raise ApiUnavailable(status=0, reason=type(exc).__name__, message=_one_line(exc)) from exc
     if not 200 <= resp.status <= 299:
         try:
-            data = resp.read() or b""
-        except (urllib3.exceptions.HTTPError, OSError):
+            data = _read_bounded(resp, MAX_ERROR_BYTES)
+        except (urllib3.exceptions.HTTPError, OSError, ResponseTooLarge):
             data = b""
         raise _error_from_response(resp.status, resp.reason or "", data, resp.headers)
     return resp
@@ -243,15 +290,17 @@ def request_json(
     body: Any = None,
     content_type: str = JSON,
     timeout: Timeout = DEFAULT_TIMEOUT,
+    max_bytes: int | None = None,
 ) -> dict:
     """One API request with a JSON (or patch) body; returns the decoded JSON object.
 
     ``content_type`` selects the patch flavour for PATCH (``MERGE_PATCH``, ``JSON_PATCH`` with a
-    list body, ``STRATEGIC_MERGE_PATCH``). An empty 2xx body decodes to ``{}``.
+    list body, ``STRATEGIC_MERGE_PATCH``). An empty 2xx body decodes to ``{}``. A body larger
+    than ``max_bytes`` (default :data:`MAX_RESPONSE_BYTES`) raises :class:`ResponseTooLarge`.
     """
     resp = _send(client, method.upper(), path, query, body, content_type, timeout)
     try:
-        data = resp.read() or b""
+        data = _read_bounded(resp, MAX_RESPONSE_BYTES if max_bytes is None else max_bytes)
     except (urllib3.exceptions.HTTPError, OSError) as exc:
         raise ApiUnavailable(status=0, reason=type(exc).__name__, message=_one_line(exc)) from exc
     if not data.strip():
@@ -265,9 +314,9 @@ def request_json(
     return decoded
 
 
-def get_json(client: ApiClient, path: str, query: Query = None, timeout: Timeout = DEFAULT_TIMEOUT) -> dict:
-    """GET ``path`` and return the decoded JSON object."""
-    return request_json(client, "GET", path, query=query, timeout=timeout)
+def get_json(client: ApiClient, path: str, query: Query = None, timeout: Timeout = DEFAULT_TIMEOUT, max_bytes: int | None = None) -> dict:
+    """GET ``path`` and return the decoded JSON object (bounded like :func:`request_json`)."""
+    return request_json(client, "GET", path, query=query, timeout=timeout, max_bytes=max_bytes)
 
 
 # --------------------------------------------------------------------------- watch
@@ -283,9 +332,10 @@ class WatchStream:
     connection breaks or stays silent past the read timeout.
     """
 
-    def __init__(self, resp: Any) -> None:
+    def __init__(self, resp: Any, max_line: int | None = None) -> None:
         self._resp = resp
         self._closed = threading.Event()
+        self._max_line = MAX_WATCH_LINE_BYTES if max_line is None else max_line
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -338,9 +388,15 @@ class WatchStream:
                     del buf[: nl + 1]
                     if line:
                         yield _decode_event(line)
+                if len(buf) > self._max_line:
+                    # One event bigger than any object we could use: a server that never sends
+                    # a newline would otherwise grow this buffer until the OOM killer comes.
+                    raise _too_large("watch event line", self._max_line)
             tail = bytes(buf).strip()
             if tail:
                 yield _decode_event(tail)
+        except ResponseTooLarge:
+            raise
         except (urllib3.exceptions.HTTPError, OSError, ValueError, AttributeError) as exc:
             if self._closed.is_set():
                 return  # closed on purpose: a clean end, not an error
@@ -359,7 +415,7 @@ def _decode_event(line: bytes) -> dict:
     return event
 
 
-def stream_watch(client: ApiClient, path: str, query: Query = None, timeout: float = 300.0) -> WatchStream:
+def stream_watch(client: ApiClient, path: str, query: Query = None, timeout: float = 300.0, max_line: int | None = None) -> WatchStream:
     """Open a watch on ``path`` (a collection URL) and return the event stream.
 
     ``watch=true`` is added, and ``timeoutSeconds=timeout`` unless the query sets it, so the
@@ -374,4 +430,4 @@ def stream_watch(client: ApiClient, path: str, query: Query = None, timeout: flo
         server_timeout = max(1.0, float(timeout))
         items.append(("timeoutSeconds", int(server_timeout)))
     resp = _send(client, "GET", path, items, None, None, (DEFAULT_TIMEOUT[0], server_timeout + WATCH_READ_GRACE))
-    return WatchStream(resp)
+    return WatchStream(resp, max_line)
