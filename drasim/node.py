@@ -55,9 +55,11 @@ def write_kubeconfig(path: str | Path, url: str, token: str = "test-token", name
 
 
 def publish_scenario(api: FakeApiServer, sc: Scenario, pods: Iterable[PodSpec] | None = None) -> None:
-    """Store what the cluster holds for a scenario's node: the Node, its ResourceSlice, and the
-    claims and Pod objects of ``pods`` (default: every pod, as if all were running)."""
+    """Store what the cluster holds for a scenario's node: the agent's namespace and budget
+    object (as the Helm chart installs them), the Node, its ResourceSlice, and the claims and Pod objects of ``pods`` (default: every pod, as if all were running)."""
     live = list(sc.pods if pods is None else pods)
+    for obj in objects.agent_namespace_objects():
+        api.apply(obj)
     api.apply(objects.node(sc))
     api.apply(objects.resource_slice(sc))
     for c in objects.resource_claims(sc, live):

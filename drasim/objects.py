@@ -72,6 +72,24 @@ def _mig_device(sc: Scenario, g: GpuSpec, m: MigSpec) -> dict:
     }
 
 
+AGENT_NAMESPACE = "dra-gpu-exporter"  # the agent's namespace when POD_NAMESPACE is unset
+
+
+def agent_namespace_objects(namespace: str = AGENT_NAMESPACE) -> list[dict]:
+    """What the installer (the Helm chart) creates besides the DaemonSet and that the agent
+    reads: its namespace and the cluster budget ConfigMap, with the chart's default capacity
+    (nothing stated: each agent's ``--taint-budget-max`` applies)."""
+    return [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "dra-gpu-exporter-budget", "namespace": namespace},
+            "data": {"max_domains": "0", "fraction": "0.05", "cluster_gpus": "0"},
+        },
+    ]
+
+
 def node(sc: Scenario) -> dict:
     return {
         "apiVersion": "v1",

@@ -62,39 +62,25 @@ def agent_namespace() -> str:
 
 def build_remediator(cfg: Config, api, agent: Agent, clock: Callable[[], float], resync: float):
     """The remediator with its cluster parts: the node's rules and kill-switch label watched, the
-    cluster budget object, the node's state ConfigMap (when team scale's parts are there)."""
+    cluster budget object, the node's state ConfigMap."""
     # (imported here, like the other Kubernetes parts: only an agent with an API pays for them)
+    from .k8s.budget import ClusterBudget
+    from .k8s.taintrules import TaintRuleClient
     from .remediation.engine import Remediator
     from .remediation.state import NodeState
 
     ns = agent_namespace()
     kw: dict = {"node_state": NodeState(api, ns, cfg.node_name)}
+    # The budget object the installer created in the agent's namespace: read and written only
+    # when a fault domain is raised to NoExecute or lowered, with optimistic concurrency.
+    kw["budget"] = ClusterBudget(api, ns, taint_budget_max=cfg.taint_budget_max)
     try:
-        from .k8s.budget import ClusterBudget
         from .k8s.watch import NodeWatch, OwnedRuleWatch
     except ImportError:
-        # Without the watch and budget modules (exporter/k8s/watch.py, budget.py): the node's
-        # rules are listed and its Node read every resync (node-scoped), and the budget counts
-        # the cluster's NoExecute rules by label when a domain is to be raised (not at rest).
-        from .remediation.budget import RuleCountBudget
-        from .k8s.taintrules import TaintRuleClient
-
-        rules = TaintRuleClient(api)
-        kw["rules"] = rules
-        kw["budget"] = RuleCountBudget(rules, cfg.taint_budget_max)
+        # Without the watch module the node's rules are listed and its Node read every resync
+        # (node-scoped requests).
+        kw["rules"] = TaintRuleClient(api)
     else:
-        kw["budget"] = _cluster_budget(ClusterBudget, api, ns, cfg)
         kw["node_watch"] = NodeWatch(api, cfg.node_name)
         kw["owned_rules"] = lambda version: OwnedRuleWatch(api, cfg.node_name, version)
     return Remediator(cfg, api, agent.health, agent.src.slices, clock=clock, resync=resync, **kw)
-
-
-def _cluster_budget(cls, api, ns: str, cfg: Config):
-    import dataclasses
-
-    fields = {f.name for f in dataclasses.fields(cfg)}
-    kw = {k: getattr(cfg, k) for k in ("taint_budget_max", "taint_budget_fraction") if k in fields}
-    try:
-        return cls(api, ns, **kw)
-    except TypeError:
-        return cls(api, ns)

@@ -177,16 +177,14 @@ def test_cluster_role_is_least_privilege(docs: list[dict[str, Any]]) -> None:
 
 
 def test_namespaced_grants(docs: list[dict[str, Any]]) -> None:
-    """Events only in "default"; ConfigMaps only in the agent's namespace: the budget by name, and
-    the node state (whose name RBAC cannot pin for create; the state policy does)."""
+    """Events only in "default"; ConfigMaps only in the agent's namespace: the budget and the node
+    state (whose names RBAC cannot pin for create; the state policy does), never listed or watched."""
     events = one(docs, "Role", "dra-gpu-exporter-events")
     assert events["metadata"]["namespace"] == "default"
     assert _rules(events) == {("events.k8s.io", "events"): {"create"}}
     own = one(docs, "Role", "dra-gpu-exporter")
     assert own["metadata"]["namespace"] == NAMESPACE
     assert own["rules"] == [
-        {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["dra-gpu-exporter-budget"],
-         "verbs": ["get", "list", "watch", "update"]},
         {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "update"]},
     ]
     budget = one(docs, "ConfigMap", "dra-gpu-exporter-budget")

@@ -64,12 +64,7 @@ SCENARIO = {
 # namespace or "*" for cluster-wide, resourceName or "") -> why. Agreed in the team interfaces;
 # delete an entry once the code uses it (test_grants_ahead_of_use_are_not_yet_used says when).
 GRANTED_AHEAD_OF_USE: dict[tuple[str, str, str, str, str], str] = {
-    ("", "configmaps", "get", NAMESPACE, "dra-gpu-exporter-budget"): "cluster budget (team scale, exporter/k8s/budget.py)",
-    ("", "configmaps", "list", NAMESPACE, "dra-gpu-exporter-budget"): "cluster budget watch's initial list (team scale)",
-    ("", "configmaps", "watch", NAMESPACE, "dra-gpu-exporter-budget"): "cluster budget watch (team scale)",
-    ("", "configmaps", "update", NAMESPACE, "dra-gpu-exporter-budget"): "cluster budget take/release (team scale)",
-    ("", "configmaps", "create", NAMESPACE, ""): "per-node state ConfigMap (team remediation)",
-    ("", "configmaps", "update", NAMESPACE, ""): "per-node state ConfigMap (team remediation)",
+    ("", "configmaps", "create", NAMESPACE, ""): "per-node state ConfigMap, created the first time an admin deletion must be remembered (not in this run)",
     ("", "nodes", "list", "*", ""): "NodeWatch, fieldSelector metadata.name=<node> (team scale, exporter/k8s/watch.py)",
     ("", "nodes", "watch", "*", ""): "NodeWatch (team scale)",
     ("resource.k8s.io", "devicetaintrules", "watch", "*", ""): "OwnedRuleWatch, labelSelector node=<node> (team scale)",
@@ -216,6 +211,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
             server.set_validator(validator)
             publish_scenario(server, sc)
             server.clear_requests()  # what the test set up is not the agent's
+            # ... but the agent's updates of it (the budget ConfigMap) are UPDATEs of these
+            installed = {("ConfigMap", o["metadata"]["name"]): {**o, "apiVersion": "v1", "kind": "ConfigMap"}
+                         for o in server.list("", "configmaps")}
             validator.objects.clear()
             kubeconfig = write_kubeconfig(tmp / "kubeconfig", server.url)
             clock = SimClock(SCALE, start_offset=-20.0)
@@ -240,7 +238,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     accesses = [a for r in log if r.status and (a := access_of(r.method, r.path, r.query, r.watch))]
     # Admission sees, per write, the stored object before (oldObject) and after (object).
     writes: list[tuple[str, str, dict[str, Any] | None, dict[str, Any] | None]] = []
-    last: dict[tuple[str, str], dict[str, Any]] = {}
+    last: dict[tuple[str, str], dict[str, Any]] = dict(installed)
     for kind, obj in validator.objects:
         key = (kind, obj["metadata"]["name"])
         writes.append(("UPDATE" if key in last else "CREATE", kind, obj, last.get(key)))

@@ -13,19 +13,18 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 from clock_helpers import ManualClock
 from k8s_helpers import running_apiserver, write_kubeconfig
 
 from exporter.config import Config, TaintMode
 from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, RecoveryAction, Vendor
 from exporter.health.engine import HealthEngine, HealthPolicy
-from exporter.k8s.connection import connect
+from exporter.k8s.connection import ApiError, connect
 from exporter.k8s.parse import parse_slice
 from exporter.model.join import JoinInputs, join
 from exporter.remediation.engine import Remediator
 
-budget_mod = pytest.importorskip("exporter.k8s.budget", reason="team scale's ClusterBudget")
+from exporter.k8s.budget import BUDGET_NAME, ClusterBudget
 
 AGENTS = 120
 BUDGET = 7
@@ -59,17 +58,18 @@ def node_objects(i: int) -> tuple[str, DeviceIdentity, dict]:
 
 
 def make_budget(api):
-    cls = budget_mod.ClusterBudget
-    try:
-        return cls(api, NS, max_held=BUDGET)
-    except TypeError:
-        return cls(api, NS, capacity=BUDGET)
+    # The agent's own flag says 16; the object the installer created says BUDGET: the object wins.
+    return ClusterBudget(api, NS, taint_budget_max=16)
 
 
 def test_agents_faulting_at_once_take_exactly_the_budget_and_return_it(tmp_path):
     with running_apiserver("1.37", bookmark_interval=3600) as server:
         kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", server.url))
         clock = ManualClock(T0)
+        server.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}})
+        # as the Helm chart creates it (templates/06-budget.yaml)
+        server.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": BUDGET_NAME, "namespace": NS},
+                      "data": {"max_domains": str(BUDGET), "fraction": "0.05", "cluster_gpus": "0"}})
         agents = []
         for i in range(AGENTS):
             node, ident, sl = node_objects(i)
@@ -100,7 +100,15 @@ def test_agents_faulting_at_once_take_exactly_the_budget_and_return_it(tmp_path)
             t.start()
         for t in threads:
             t.join(timeout=120)
-        assert errors == []
+        def noexecute() -> int:
+            return sum(r["spec"]["taint"]["effect"] == "NoExecute" for r in server.list("resource.k8s.io", "devicetaintrules"))
+
+        # Never more than N, even in the race (on a busy machine some requests may time out:
+        # those agents fenced with NoSchedule, failing safe, or failed their pass).
+        assert noexecute() <= BUDGET
+        # Their next pass (the loop retries after a failed pass) completes the picture.
+        for rem, _, _ in agents:
+            rem.reconcile()
         rules = server.list("resource.k8s.io", "devicetaintrules")
         effects = sorted(r["spec"]["taint"]["effect"] for r in rules)
         assert len(rules) == AGENTS
@@ -109,7 +117,8 @@ def test_agents_faulting_at_once_take_exactly_the_budget_and_return_it(tmp_path)
         held = agents[0][0].budget.held()
         assert len(held) == BUDGET
 
-        # a second pass changes nothing: no agent takes a slot twice or loses its own
+        assert all(isinstance(e, ApiError) and e.retryable for e in errors), errors  # only transport trouble
+        # a further pass changes nothing: no agent takes a slot twice or loses its own
         for rem, _, _ in agents:
             rem.reconcile()
         assert sorted(r["spec"]["taint"]["effect"] for r in server.list("resource.k8s.io", "devicetaintrules")).count("NoExecute") == BUDGET
