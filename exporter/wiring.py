@@ -65,7 +65,7 @@ def build_remediator(cfg: Config, api, agent: Agent, clock: Callable[[], float],
     cluster budget object, the node's state ConfigMap."""
     # (imported here, like the other Kubernetes parts: only an agent with an API pays for them)
     from .k8s.budget import ClusterBudget
-    from .k8s.taintrules import TaintRuleClient
+    from .k8s.watch import NodeWatch, OwnedRuleWatch
     from .remediation.engine import Remediator
     from .remediation.state import NodeState
 
@@ -74,13 +74,7 @@ def build_remediator(cfg: Config, api, agent: Agent, clock: Callable[[], float],
     # The budget object the installer created in the agent's namespace: read and written only
     # when a fault domain is raised to NoExecute or lowered, with optimistic concurrency.
     kw["budget"] = ClusterBudget(api, ns, taint_budget_max=cfg.taint_budget_max)
-    try:
-        from .k8s.watch import NodeWatch, OwnedRuleWatch
-    except ImportError:
-        # Without the watch module the node's rules are listed and its Node read every resync
-        # (node-scoped requests).
-        kw["rules"] = TaintRuleClient(api)
-    else:
-        kw["node_watch"] = NodeWatch(api, cfg.node_name)
-        kw["owned_rules"] = lambda version: OwnedRuleWatch(api, cfg.node_name, version)
+    # This node's rules and its kill-switch label are watched (node-scoped selectors), not polled.
+    kw["node_watch"] = NodeWatch(api, cfg.node_name)
+    kw["owned_rules"] = lambda version: OwnedRuleWatch(api, cfg.node_name, version)
     return Remediator(cfg, api, agent.health, agent.src.slices, clock=clock, resync=resync, **kw)

@@ -65,9 +65,6 @@ SCENARIO = {
 # delete an entry once the code uses it (test_grants_ahead_of_use_are_not_yet_used says when).
 GRANTED_AHEAD_OF_USE: dict[tuple[str, str, str, str, str], str] = {
     ("", "configmaps", "create", NAMESPACE, ""): "per-node state ConfigMap, created the first time an admin deletion must be remembered (not in this run)",
-    ("", "nodes", "list", "*", ""): "NodeWatch, fieldSelector metadata.name=<node> (team scale, exporter/k8s/watch.py)",
-    ("", "nodes", "watch", "*", ""): "NodeWatch (team scale)",
-    ("resource.k8s.io", "devicetaintrules", "watch", "*", ""): "OwnedRuleWatch, labelSelector node=<node> (team scale)",
     ("resource.k8s.io", "devicetaintrules", "get", "*", ""): "only after a 409 on create, to adopt a rule of ours whose create answer was lost (not exercised by this run)",
 }
 

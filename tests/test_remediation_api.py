@@ -1032,26 +1032,3 @@ def test_health_changes_wake_the_remediator(make_rig):
     wait_until(lambda: rig.effects() == {"gpu-1": "NoExecute"}, timeout=5, message="the rule")
     # the pass ends with the rule's Event: waiting for it keeps the thread's log line in this test
     wait_until(lambda: rig.events("GPUTainted"), timeout=5, message="the rule's Event")
-
-
-def test_rule_count_budget_counts_fault_domains_cluster_wide_only_when_raising(make_rig):
-    """The stand-in budget (until the budget object is deployed): another node's NoExecute
-    rules count once per fault domain, however many DRA devices they span; it lists only when
-    a domain is to be raised, never at rest."""
-    from exporter.remediation.budget import RuleCountBudget
-
-    rig = make_rig("1.37", taint_budget_max=2)
-    rig.rem.budget = RuleCountBudget(rig.rem.rules, 2)
-    labels = {names.MANAGED_BY: names.MANAGED_BY_VALUE, names.NODE_LABEL: "node-b", names.TIER_LABEL: "fatal"}
-    for dev in ("gpu-0-mig-1g10gb-19-0", "gpu-0-mig-1g10gb-19-1"):  # one GPU of node-b: one domain
-        rig.server.apply(rig.rem.rules.body(names.rule_name("node-b", DRIVER, "node-b", dev), DRIVER, "node-b", dev,
-                                            f"{names.TAINT_DOMAIN}/fatal", "xid_79", "NoExecute", labels, {names.GPU_ANNOTATION: "GPU-b0"}))
-    rig.reconcile(2)
-    lists = [q for q in rig.server.requests if q.method == "GET" and q.path.endswith("/devicetaintrules") and "node%3D" not in str(q.query) and NODE not in str(q.query)]
-    assert lists == []  # nothing to raise: no cluster-wide list
-    rig.xid(0, 79)
-    rig.xid(1, 79)
-    rig.reconcile()
-    ours = {r["spec"]["deviceSelector"]["device"]: r["spec"]["taint"]["effect"] for r in rig.rules() if r["spec"]["deviceSelector"]["pool"] == NODE}
-    assert sorted(ours.values()) == ["NoExecute", "None"]  # node-b holds 1 of 2: one more fits
-    assert rig.rem.budget_exhausted
