@@ -254,3 +254,43 @@ def test_node_pods_skips_malformed_pods():
 def test_node_name_is_required(node):
     with pytest.raises(ValueError):
         NodePods(None, node)  # type: ignore[arg-type]
+
+
+def test_steady_state_makes_no_claim_request_and_reads_come_from_the_cache():
+    """Issue 13: an allocated claim is read once, from the API server's cache
+    (resourceVersion=0), and never again while the node's pods hold it."""
+    clock = ManualClock()
+    with running_apiserver("1.34") as server:
+        names = [f"c{i}" for i in range(20)]
+        for n in names:
+            server.apply(claim_obj(n))
+        cache = ClaimCache(client_for(server), clock=clock)  # the agent's defaults
+        keys = [("ml", n) for n in names]
+        cache.refresh(keys)  # the first cycle: every claim, a few at a time
+        assert all(cache.entry("ml", n).info is not None for n in names)
+        gets = [r for r in server.requests if r.method == "GET" and f"/{CLAIMS}/" in r.path]
+        assert len(gets) == len(names) and all(r.query.get("resourceVersion") == "0" for r in gets)
+        before = claim_gets(server)
+        for _ in range(100):  # 100 cycles, an hour of simulated time
+            clock.advance(36.0)
+            cache.refresh(keys)
+        assert claim_gets(server) == before
+
+
+def test_a_claim_not_allocated_yet_is_asked_again_soon():
+    clock = ManualClock()
+    with running_apiserver("1.34") as server:
+        pending = claim_obj("p")
+        pending["status"] = {}
+        server.apply(pending)
+        cache = ClaimCache(client_for(server), negative_ttl=5.0, clock=clock)
+        cache.refresh([("ml", "p")])
+        assert cache.entry("ml", "p").info.devices == ()
+        server.apply(claim_obj("p", device="gpu-3"))
+        clock.advance(6.0)
+        cache.refresh([("ml", "p")])
+        assert cache.get("ml", "p").devices[0].device == "gpu-3"
+        before = claim_gets(server)
+        clock.advance(3600.0)
+        cache.refresh([("ml", "p")])
+        assert claim_gets(server) == before  # allocated now: kept

@@ -1,22 +1,33 @@
-"""A small TTL cache of the ResourceClaims this node's pods hold.
+"""A cache of the ResourceClaims this node's pods hold.
 
 Why GETs instead of a watch: ResourceClaims are namespaced and can be numerous cluster-wide,
 and no field selector narrows them to a node (``status.allocation.nodeSelector`` is not a
 selectable field). A watch would stream every claim of the cluster to every GPU node. The
 agent only needs the few claims the kubelet reports for its own pods, so it fetches exactly
-those, on a miss or when the cached copy is older than ``ttl``.
+those, once each:
 
-The claim is a fallback source anyway (for devices that left the ResourceSlice, and for
-``status.devices[].data``); a copy up to ``ttl`` old is good enough. When the API is down, the
-last good copy keeps being served, flagged ``stale``, and fetching pauses with a backoff so a
-black-holed API server does not stall every collection cycle.
+* a claim is fetched when it first appears on the node (the first cycle fetches all of them
+  concurrently, a few at a time) and then kept while the node's pods hold it: an allocated
+  claim's devices do not change (a new allocation is a new claim for a new pod). ``ttl``
+  (default: never) re-reads it anyway where a caller wants that;
+* a claim not found or not allocated yet is asked again after ``negative_ttl``;
+* every GET carries ``resourceVersion=0``: the API server answers from its watch cache instead
+  of a quorum read from etcd.
+
+So in steady state (no allocation changes) the cache makes no request at all. The claim is a
+fallback source anyway (for devices that left the ResourceSlice, and for
+``status.devices[].data``). When the API is down, the last good copy keeps being served, flagged
+``stale``, and fetching pauses with a backoff so a black-holed API server does not stall every
+collection cycle.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 from urllib.parse import quote
@@ -35,6 +46,8 @@ __all__ = ["ClaimCache", "ClaimEntry", "ClaimStats", "ClaimKey"]
 
 ClaimKey = tuple[str, str]  # (namespace, name)
 RESOURCE = "resourceclaims"
+#: parallel GETs when many claims are new at once (the first cycle of a dense node)
+FETCH_PARALLEL = 8
 
 
 @dataclass(frozen=True)
@@ -66,7 +79,7 @@ class ClaimCache:
         self,
         client: ApiClient,
         api_version: str | None = None,
-        ttl: float = 30.0,
+        ttl: float = math.inf,
         *,
         negative_ttl: float = 10.0,
         discovery: Discovery | None = None,
@@ -161,6 +174,21 @@ class ClaimCache:
         return self._version
 
     def _fetch_many(self, keys: list[ClaimKey]) -> None:
+        with self._lock:
+            new = [k for k in keys if k not in self._entries]
+        if len(new) > 1:
+            # Many claims never seen (start-up): a few GETs in flight instead of one after the
+            # other, so a 50 ms API round trip costs the first cycle ~1/8 of the time. Re-reads
+            # stay sequential: the first failure of an outage stops the round.
+            chunks = [new[i::FETCH_PARALLEL] for i in range(min(FETCH_PARALLEL, len(new)))]
+            with ThreadPoolExecutor(max_workers=len(chunks), thread_name_prefix="claims-fetch") as pool:
+                list(pool.map(self._fetch_seq, chunks))
+            keys = [k for k in keys if k not in set(new)]
+            if not keys:
+                return
+        self._fetch_seq(keys)
+
+    def _fetch_seq(self, keys: list[ClaimKey]) -> None:
         now = self._clock()
         with self._lock:
             if now < self._paused_until:
@@ -183,7 +211,8 @@ class ClaimCache:
             with self._lock:
                 self._stats.fetches += 1
             try:
-                obj = get_json(self._client, path)
+                # resourceVersion=0: from the API server's cache, not a quorum read of etcd
+                obj = get_json(self._client, path, {"resourceVersion": "0"})
             except ApiError as exc:
                 if exc.status == 404:
                     if self._forced_version is None and not self._group_version_still_served(version):
@@ -216,7 +245,8 @@ class ClaimCache:
                     self._stats.malformed += 1
                 self._store(key, None, self.negative_ttl, error=str(exc))
                 continue
-            self._store(key, info, self.ttl)
+            # Not allocated yet: ask again soon; allocated: kept (see the module doc).
+            self._store(key, info, self.ttl if info.devices else self.negative_ttl)
         with self._lock:
             self._backoff.reset()
             self._paused_until = 0.0
@@ -238,7 +268,7 @@ class ClaimCache:
         now = self._clock()
         with self._lock:
             self._entries[key] = ClaimEntry(info=info, fetched_at=now, stale=False, error=error)
-            self._expires[key] = now + ttl * (0.8 + 0.2 * random.random())
+            self._expires[key] = now + ttl * (0.8 + 0.2 * random.random()) if math.isfinite(ttl) else math.inf
 
     def _mark_stale_locked(self, keys: Iterable[ClaimKey], error: str) -> None:
         """Keep the last good copies of ``keys`` and flag them. Caller holds the lock."""
