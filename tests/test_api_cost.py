@@ -1,0 +1,85 @@
+"""What an agent asks the API server does not depend on the size of the cluster (issue 13).
+
+The same node is run twice through the production wiring against the HTTP API emulation: once
+alone, once in a cluster of other GPU nodes (their ResourceSlices, their Node objects and their
+agents' DeviceTaintRules). The set of requests the agent makes must be the same, every list and
+watch must name this node (a field or label selector) or be API discovery, and in steady state
+(no fault, no allocation change) the agent makes no request but its open watches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kit_helpers import wait_until
+
+from drasim.node import SimulatedNode
+from drasim.scenario import bundled_scenarios, load_scenario
+from exporter.config import TaintMode
+from exporter.k8s import names
+
+OTHER_NODES = 300
+GPUS = 8
+STEADY_CYCLES = 15
+
+
+def _other_node_objects(i: int) -> list[dict[str, Any]]:
+    node = f"other-{i:05d}"
+    devices = [{"name": f"gpu-{g}", "attributes": {"uuid": {"string": f"GPU-{i:05d}-{g}"}}} for g in range(GPUS)]
+    objs: list[dict[str, Any]] = [
+        {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}},
+        {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": f"{node}-gpu"},
+         "spec": {"driver": "gpu.nvidia.com", "nodeName": node, "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                  "devices": devices}},
+    ]
+    if i % 3 == 0:  # a third of the other nodes have a tainted GPU
+        objs.append({
+            "apiVersion": "resource.k8s.io/v1", "kind": "DeviceTaintRule",
+            "metadata": {"name": names.rule_name(node, "gpu.nvidia.com", node, "gpu-0"),
+                         "labels": {names.MANAGED_BY: names.MANAGED_BY_VALUE, names.NODE_LABEL: node, names.TIER_LABEL: "fatal"}},
+            "spec": {"deviceSelector": {"driver": "gpu.nvidia.com", "pool": node, "device": "gpu-0"},
+                     "taint": {"key": f"{names.TAINT_DOMAIN}/fatal", "value": "xid_79", "effect": "NoExecute"}},
+        })
+    return objs
+
+
+def _shape(method: str, path: str, query: dict[str, str], watch: bool) -> tuple[str, str, bool, tuple[tuple[str, str], ...]]:
+    """A request without what changes from run to run (resource versions, continue tokens)."""
+    keep = tuple(sorted((k, v) for k, v in query.items() if k in ("fieldSelector", "labelSelector", "limit", "watch")))
+    return (method, path, watch, keep)
+
+
+def _run(other_nodes: int) -> tuple[set[tuple[str, str, bool, tuple[tuple[str, str], ...]]], list[Any], str]:
+    sc = load_scenario(bundled_scenarios()["small-node"])
+    with SimulatedNode(sc) as node:
+        node.start()
+        for i in range(other_nodes):
+            for obj in _other_node_objects(i):
+                node.api.apply(obj)
+        node.api.clear_requests()
+        agent = node.start_agent(interval=0.2, taint_mode=TaintMode.ENFORCE)
+        rem = agent.src.remediation
+        assert rem is not None
+        wait_until(lambda: agent.src.slices.synced and rem.passes > 0 and agent.cycles > 3, timeout=120, message="the agent settled")
+        startup = list(node.api.requests)
+        node.api.clear_requests()
+        start = agent.cycles
+        wait_until(lambda: agent.cycles >= start + STEADY_CYCLES, timeout=240, message="steady-state cycles")
+        steady = [r for r in node.api.requests if not r.watch]
+        shapes = {_shape(r.method, r.path, r.query, r.watch) for r in startup + list(node.api.requests)}
+        return shapes, steady, sc.node
+
+
+@pytest.mark.slow
+def test_a_big_cluster_does_not_change_what_the_agent_asks() -> None:
+    alone, steady_alone, node = _run(0)
+    crowded, steady_crowded, _ = _run(OTHER_NODES)
+    assert crowded == alone, f"requests that depend on the cluster's size: {sorted(crowded ^ alone)}"
+    # Steady state with no fault and no allocation change: nothing but the open watches.
+    assert steady_alone == [] and steady_crowded == [], (steady_alone, steady_crowded)
+    collections = ("/nodes", "/resourceslices", "/devicetaintrules", "/resourceclaims", "/pods", "/configmaps", "/events")
+    lists = [(m, p, dict(q)) for m, p, _w, q in crowded if m == "GET" and p.endswith(collections)]
+    assert lists, "the run made no list or watch at all"
+    for method, path, q in lists:  # every list and watch names this node
+        assert node in q.get("fieldSelector", "") + q.get("labelSelector", ""), f"a cluster-wide {method} {path} {q}"
