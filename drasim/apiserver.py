@@ -26,7 +26,11 @@ from typing import Any
 import structlog
 
 from .apiserver_catalog import (
-    GroupVersion, ResourceType, available_group_versions, parse_release, served_group_versions,
+    GroupVersion,
+    ResourceType,
+    available_group_versions,
+    parse_release,
+    served_group_versions,
     version_priority,
 )
 from .apiserver_faults import LOG_LIMIT, FaultInjector, RequestRecord

@@ -66,7 +66,7 @@ class ApiRequestHandler(BaseHTTPRequestHandler):
         finally:
             self.server.state.connections.track(self.connection, False)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+    def log_message(self, format: str, *args: Any) -> None:
         pass  # the request log and structlog replace stderr lines
 
     def do_GET(self) -> None:

@@ -213,10 +213,7 @@ def field_value(obj: dict[str, Any], path: str) -> str:
 
 
 def fields_match(reqs: tuple[FieldRequirement, ...], obj: dict[str, Any]) -> bool:
-    for r in reqs:
-        if (field_value(obj, r.path) == r.value) != r.equal:
-            return False
-    return True
+    return all((field_value(obj, r.path) == r.value) == r.equal for r in reqs)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from concurrent import futures
-from typing import Optional
 
 import grpc
 import structlog
@@ -33,7 +32,7 @@ KUBELET_QPS = 100.0
 KUBELET_BURST = 10
 
 # (driver, pool, device, share_id or None)
-ClaimDevice = tuple[str, str, str, Optional[str]]
+ClaimDevice = tuple[str, str, str, str | None]
 
 
 # -- message builders ----------------------------------------------------------------------
@@ -113,15 +112,15 @@ class _Servicer(api_pb2_grpc.PodResourcesListerServicer):
     def __init__(self, owner: FakeKubelet) -> None:
         self._owner = owner
 
-    def List(self, request, context):  # noqa: N802 (grpc method name)
+    def List(self, request, context):
         self._owner._admit("List", context)
         return api_pb2.ListPodResourcesResponse(pod_resources=self._owner._pods_now())
 
-    def GetAllocatableResources(self, request, context):  # noqa: N802
+    def GetAllocatableResources(self, request, context):
         self._owner._admit("GetAllocatableResources", context)
         return api_pb2.AllocatableResourcesResponse(devices=self._owner._allocatable_now())
 
-    def Get(self, request, context):  # noqa: N802
+    def Get(self, request, context):
         self._owner._admit("Get", context)
         for p in self._owner._pods_now():
             if p.name == request.pod_name and p.namespace == request.pod_namespace:

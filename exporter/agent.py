@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import structlog
 
@@ -127,7 +128,7 @@ class Agent:
         # failure the first cycle reports it and sets the topology.
         try:
             self.health.set_topology(self.runner.call("enumerate", self.src.backend.enumerate, self.cfg.call_timeout))
-        except Exception as e:  # noqa: BLE001 - start-up goes on; the cycle is the one that reports
+        except Exception as e:
             log.warning("early_enumerate_failed", error=str(e))
         self.src.backend.start_events(self.health.on_event)
         if self.src.slices is not None:
@@ -345,7 +346,7 @@ class Agent:
         if not self._lost:
             return list(self._identities), self._readings
         readings = dict(self._readings)
-        for u, (ident, dev) in self._lost.items():
+        for u, (_ident, dev) in self._lost.items():
             readings[u] = DeviceReading.failed(u, ReadError.LOST, f"published by ResourceSlice device {dev.pool}/{dev.name} but not found by the device library")
         return list(self._identities) + [ident for ident, _ in self._lost.values()], readings
 

@@ -4,7 +4,7 @@ watchers and caches, the remediator, and the kubelet client."""
 from __future__ import annotations
 
 import random
-from typing import Callable
+from collections.abc import Callable
 
 
 class Backoff:

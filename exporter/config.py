@@ -15,9 +15,10 @@ import os
 import re
 import socket
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import NoReturn
 
 from . import __version__
 

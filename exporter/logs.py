@@ -11,6 +11,7 @@ import sys
 
 import structlog
 
+
 class _CurrentStderr:
     """Writes to whatever ``sys.stderr`` is *now*, not what it was at configure time (test
     runners and daemonisers swap it; a logger holding a closed stream would fail every call)."""

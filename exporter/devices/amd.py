@@ -29,9 +29,10 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import structlog
 
@@ -46,7 +47,7 @@ from .model import (
     normalize_pci_bus_id,
 )
 
-__all__ = ["AmdSmiBackend", "amdsmi_available", "GpuProbe", "assign_partitions"]
+__all__ = ["AmdSmiBackend", "GpuProbe", "amdsmi_available", "assign_partitions"]
 
 log = structlog.get_logger(__name__)
 
@@ -154,7 +155,7 @@ def assign_partitions(probes: list[GpuProbe]) -> tuple[list[DeviceIdentity], dic
     identities: list[DeviceIdentity] = []
     handles: dict[str, int] = {}
     seen: set[str] = set()
-    for key, members in groups.items():
+    for _key, members in groups.items():
         members.sort(key=lambda m: ((m[0] or (0, 0, 0, 0))[3], m[1].partition_id or 0, m[1].index))
         partitioned = len(members) > 1
         parent_uuid = members[0][1].uuid if partitioned else ""
@@ -268,7 +269,7 @@ class _StatusTable:
     no_data: int | None
 
     @classmethod
-    def from_wrapper(cls, wrapper: Any) -> "_StatusTable":
+    def from_wrapper(cls, wrapper: Any) -> _StatusTable:
         return cls(
             unsupported=_codes(wrapper, _UNSUPPORTED),
             transient=_codes(wrapper, _TRANSIENT),
@@ -462,7 +463,7 @@ class AmdSmiBackend(DeviceBackend):
             # amdsmi_wrapper print()s its search failures; keep them out of our stdout and put
             # them in the error instead.
             with contextlib.redirect_stdout(noise):
-                import amdsmi  # noqa: PLC0415 - optional extra, loaded only when asked for
+                import amdsmi
         except Exception as exc:  # KeyError/OSError/AttributeError, not ImportError
             printed = " ".join(noise.getvalue().split())
             raise BackendUnavailable(
@@ -607,7 +608,7 @@ class AmdSmiBackend(DeviceBackend):
                 continue
             try:
                 reader(am, handle, reading)
-            except Exception as exc:  # noqa: BLE001 - classified below, never propagated
+            except Exception as exc:
                 code = _error_code(exc)
                 fault, err = self._status.classify(code)
                 if fault is _Fault.DEVICE:
@@ -666,7 +667,7 @@ class AmdSmiBackend(DeviceBackend):
             self._event_beat = time.monotonic()  # liveness: the loop still turns
             try:
                 events = reader.read(self._event_poll_ms, 32)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 if status is not None and _error_code(exc) == status.no_data:
                     continue  # the wait timed out without events
                 if self._event_stop.is_set():
@@ -677,7 +678,7 @@ class AmdSmiBackend(DeviceBackend):
             for ev in events:
                 try:
                     self._deliver(ev, sink)
-                except Exception:  # noqa: BLE001 - one malformed event must not end the watch
+                except Exception:
                     log.exception("amdsmi_event_dropped")
 
     def _deliver(self, ev: Mapping[str, Any], sink: EventSink) -> None:
@@ -698,5 +699,5 @@ class AmdSmiBackend(DeviceBackend):
         log.info("amdsmi_event", uuid=uuid, notification=name, kind=kind.value)
         try:
             sink(DeviceEvent(uuid=uuid, kind=kind, code=code, detail=detail))
-        except Exception:  # noqa: BLE001 - a faulty sink must not kill the reader thread
+        except Exception:
             log.exception("amdsmi_event_sink_failed", uuid=uuid, notification=name)

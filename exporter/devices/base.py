@@ -10,7 +10,7 @@ only has to keep one device's failure from affecting another device's read.
 from __future__ import annotations
 
 import abc
-from typing import Callable
+from collections.abc import Callable
 
 from .model import DeviceEvent, DeviceIdentity, DeviceReading
 

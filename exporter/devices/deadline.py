@@ -17,9 +17,10 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -40,7 +41,7 @@ class _Lane:
     """One daemon worker thread. Daemon, because a thread stuck in the kernel must never keep
     the process from exiting (ThreadPoolExecutor joins its workers at exit)."""
 
-    __slots__ = ("jobs", "pending", "started", "ran_at", "thread")
+    __slots__ = ("jobs", "pending", "ran_at", "started", "thread")
 
     def __init__(self, name: str) -> None:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -61,7 +62,7 @@ class _Lane:
             self.ran_at = time.monotonic()
             try:
                 fut.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller unchanged
+            except BaseException as exc:
                 fut.set_exception(exc)
 
     def submit(self, fn: Callable[[], T]) -> Future:

@@ -13,14 +13,14 @@ import time
 from dataclasses import dataclass, field
 
 __all__ = [
-    "Vendor",
+    "DeviceEvent",
     "DeviceIdentity",
     "DeviceReading",
-    "DeviceEvent",
     "EventKind",
-    "RecoveryAction",
-    "normalize_pci_bus_id",
     "ReadError",
+    "RecoveryAction",
+    "Vendor",
+    "normalize_pci_bus_id",
 ]
 
 
@@ -155,7 +155,7 @@ class DeviceReading:
     processes: dict[int, int | None] = field(default_factory=dict)
 
     @classmethod
-    def failed(cls, uuid: str, error: ReadError, detail: str = "") -> "DeviceReading":
+    def failed(cls, uuid: str, error: ReadError, detail: str = "") -> DeviceReading:
         return cls(uuid=uuid, ok=False, error=error, error_detail=detail)
 
 

@@ -33,8 +33,9 @@ import re
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import structlog
 
@@ -57,7 +58,7 @@ except Exception:  # pragma: no cover - exercised only without nvidia-ml-py
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["NvmlBackend", "FIELD_IDS", "FIELD_REQUESTS", "GPM_METRICS", "mig_profile_from_name", "mig_profile_from_size"]
+__all__ = ["FIELD_IDS", "FIELD_REQUESTS", "GPM_METRICS", "NvmlBackend", "mig_profile_from_name", "mig_profile_from_size"]
 
 # ---- NVML constants (nvml.h ABI numbers; spelled out so older nvidia-ml-py releases work) ----
 
@@ -358,7 +359,7 @@ class NvmlBackend(DeviceBackend):
     def _quiet(fn: Callable[..., Any], *args: Any) -> None:
         try:
             fn(*args)
-        except Exception as exc:  # noqa: BLE001 - teardown must not fail
+        except Exception as exc:
             log.debug("nvml_teardown_call_failed", call=getattr(fn, "__name__", "?"), error=str(exc))
 
     def driver_version(self) -> str:
@@ -556,7 +557,7 @@ class NvmlBackend(DeviceBackend):
             return self._failed(dev, exc.code, str(exc))
         except pynvml.NVMLError as exc:  # a call outside _call (defensive)
             return self._failed(dev, int(getattr(exc, "value", -1)), str(exc))
-        except Exception as exc:  # noqa: BLE001 - one device's surprise must not escape
+        except Exception as exc:
             log.exception("nvml_read_crashed", uuid=device.uuid)
             return DeviceReading.failed(device.uuid, ReadError.ERROR, f"{type(exc).__name__}: {exc}")
         if dev.failing:
@@ -702,7 +703,7 @@ class NvmlBackend(DeviceBackend):
             return None if "field_values" in dev.unsupported else {}
         out: dict[int, int | float] = {}
         # NVML fills the array in request order, so the id comes from the request.
-        for (fid, _scope), (ret, decoded) in zip(fields, _decode_batch(values, len(fields))):
+        for (fid, _scope), (ret, decoded) in zip(fields, _decode_batch(values, len(fields)), strict=False):
             if ret == _SUCCESS:
                 if decoded is not None:
                     out[fid] = decoded
@@ -930,13 +931,13 @@ class NvmlBackend(DeviceBackend):
                 # Back off so a persistent error does not spin; returns at once on close().
                 self._stop.wait(min(self._event_wait_ms / 1000.0, 1.0))
                 continue
-            except Exception:  # noqa: BLE001 - the watcher thread must survive anything
+            except Exception:
                 log.exception("nvml_event_loop_error")
                 self._stop.wait(1.0)
                 continue
             try:
                 self._dispatch(data, sink, registered)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("nvml_event_dispatch_failed")
         log.info("nvml_events_stopped")
 
@@ -973,7 +974,7 @@ class NvmlBackend(DeviceBackend):
         return migs[0].uuid if len(migs) == 1 else parent
 
     def _probe_lost(self, sink: EventSink) -> None:
-        for address, uuid in list(self._event_handles.items()):
+        for _address, uuid in list(self._event_handles.items()):
             with self._lock:
                 dev = self._devices.get(uuid)
             if dev is None:
@@ -993,5 +994,5 @@ class NvmlBackend(DeviceBackend):
     def _emit(sink: EventSink, event: DeviceEvent) -> None:
         try:
             sink(event)
-        except Exception:  # noqa: BLE001 - a broken consumer must not stop event delivery
+        except Exception:
             log.exception("nvml_event_sink_failed", uuid=event.uuid, kind=event.kind.value)

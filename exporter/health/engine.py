@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, defaultdict, deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Mapping
 
 import structlog
 

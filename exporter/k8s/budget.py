@@ -34,7 +34,8 @@ import math
 import random
 import re
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import structlog
 

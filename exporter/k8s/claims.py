@@ -27,9 +27,9 @@ import math
 import random
 import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable
 from urllib.parse import quote
 
 import structlog
@@ -42,7 +42,7 @@ from .parse import ParseError, parse_claim
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["ClaimCache", "ClaimEntry", "ClaimStats", "ClaimKey"]
+__all__ = ["ClaimCache", "ClaimEntry", "ClaimKey", "ClaimStats"]
 
 ClaimKey = tuple[str, str]  # (namespace, name)
 RESOURCE = "resourceclaims"

@@ -19,8 +19,9 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import structlog
 import urllib3
@@ -31,21 +32,21 @@ from kubernetes.client.exceptions import ApiException
 log = structlog.get_logger(__name__)
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
+    "JSON",
+    "JSON_PATCH",
+    "MERGE_PATCH",
+    "STRATEGIC_MERGE_PATCH",
     "ApiClient",
     "ApiError",
     "ApiUnavailable",
-    "ResponseTooLarge",
     "KubeconfigError",
+    "ResponseTooLarge",
     "WatchStream",
     "connect",
-    "request_json",
     "get_json",
+    "request_json",
     "stream_watch",
-    "DEFAULT_TIMEOUT",
-    "JSON",
-    "MERGE_PATCH",
-    "STRATEGIC_MERGE_PATCH",
-    "JSON_PATCH",
 ]
 
 ApiClient = k8s_client.ApiClient
@@ -356,7 +357,7 @@ class WatchStream:
     def closed(self) -> bool:
         return self._closed.is_set()
 
-    def __enter__(self) -> "WatchStream":
+    def __enter__(self) -> WatchStream:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import structlog
 
@@ -23,13 +23,13 @@ from .connection import ApiClient, ApiError, get_json
 log = structlog.get_logger(__name__)
 
 __all__ = [
-    "RESOURCE_GROUP",
     "DEFAULT_PREFERENCE",
-    "served_versions",
-    "pick_version",
-    "resources_in",
-    "resource_version_for",
+    "RESOURCE_GROUP",
     "Discovery",
+    "pick_version",
+    "resource_version_for",
+    "resources_in",
+    "served_versions",
 ]
 
 RESOURCE_GROUP = "resource.k8s.io"

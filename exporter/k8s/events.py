@@ -15,8 +15,8 @@ from typing import Any
 
 import structlog
 
-from .names import REPORTING_CONTROLLER
 from .connection import ApiError, request_json
+from .names import REPORTING_CONTROLLER
 
 log = structlog.get_logger(__name__)
 

@@ -24,24 +24,25 @@ nothing else, so the watcher can log the object, count it and carry on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from .model import AllocatedDevice, AttributeValue, ClaimInfo, PodInfo, SliceDevice
 
 T = TypeVar("T")
 
 __all__ = [
+    "NESTED_DEVICE_VERSIONS",
     "ParseError",
     "ParsedSlice",
-    "parse_slice",
-    "parse_slice_full",
+    "parse_attribute",
     "parse_claim",
     "parse_pod",
-    "parse_attribute",
+    "parse_slice",
+    "parse_slice_full",
     "qualify",
     "version_of",
-    "NESTED_DEVICE_VERSIONS",
 ]
 
 #: versions whose Device nests attributes and capacity under ``basic``

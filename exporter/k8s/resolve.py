@@ -41,22 +41,23 @@ method ``uuid-not-local`` (still useful as a label); nothing at all gives
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from ..devices.model import DeviceIdentity, Vendor, normalize_pci_bus_id
 from .model import AllocatedDevice, SliceDevice
 
 __all__ = [
-    "DeviceIndex",
-    "Resolution",
-    "resolve",
-    "resolve_device_plugin",
-    "parse_mig_name",
-    "NVIDIA_DRIVER",
     "AMD_DRIVER",
+    "NVIDIA_DRIVER",
     "PCI_BUS_ID_ATTR",
     "UNRESOLVED",
+    "DeviceIndex",
+    "Resolution",
+    "parse_mig_name",
+    "resolve",
+    "resolve_device_plugin",
 ]
 
 NVIDIA_DRIVER = "gpu.nvidia.com"

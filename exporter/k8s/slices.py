@@ -23,7 +23,8 @@ never receives other nodes' slices; slices that use ``nodeSelector``/``allNodes`
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import structlog
 
@@ -35,7 +36,7 @@ from .watch import Reflector, WatcherStats
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["SliceWatcher", "WatcherStats", "DeviceKey"]
+__all__ = ["DeviceKey", "SliceWatcher", "WatcherStats"]
 
 DeviceKey = tuple[str, str, str]  # (driver, pool, device)
 

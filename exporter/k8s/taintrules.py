@@ -12,9 +12,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .names import MANAGED_BY, MANAGED_BY_VALUE, NODE_LABEL
 from .connection import MERGE_PATCH, ApiError, get_json, request_json
 from .discovery import RESOURCE_GROUP, Discovery
+from .names import MANAGED_BY, MANAGED_BY_VALUE, NODE_LABEL
 
 PREFERENCE = ("v1", "v1beta2", "v1alpha3")
 TIMEOUT = (3.0, 5.0)

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import structlog
 
@@ -33,7 +34,7 @@ from .names import MANAGED_BY, MANAGED_BY_VALUE, NODE_LABEL
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["Reflector", "NodeWatch", "OwnedRuleWatch", "WatcherStats"]
+__all__ = ["NodeWatch", "OwnedRuleWatch", "Reflector", "WatcherStats"]
 
 LIST_PAGE_SIZE = 500
 T = TypeVar("T")

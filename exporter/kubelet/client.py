@@ -19,7 +19,7 @@ import random
 import stat
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 import structlog

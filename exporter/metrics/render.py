@@ -23,8 +23,9 @@ import gzip
 import math
 import re
 import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -398,7 +399,7 @@ class SnapshotCollector(Collector):
                 "dra_gpu_exporter_detection_to_taint_seconds", BY_NAME["dra_gpu_exporter_detection_to_taint_seconds"].help, labels=["node"]
             )
             cum, buckets = 0, []
-            for bound, n in zip(list(h.buckets) + [float("inf")], h.counts):
+            for bound, n in zip([*h.buckets, float("inf")], h.counts, strict=False):
                 cum += n
                 buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cum))
             fam.add_metric([node], buckets, h.sum)
@@ -425,7 +426,7 @@ class Exposition:
     that are actually scraped: Prometheus asks for one of the four.
     """
 
-    __slots__ = ("body", "openmetrics", "gzip_level", "_gz", "_lock")
+    __slots__ = ("_gz", "_lock", "body", "gzip_level", "openmetrics")
 
     def __init__(self, body: bytes, openmetrics: bytes | None = None, gzip_level: int = GZIP_LEVEL, gzipped: bytes | None = None, openmetrics_gzipped: bytes | None = None) -> None:
         self.body = body
@@ -477,7 +478,7 @@ def _label_str(labelnames: tuple[str, ...], labels: tuple[str, ...]) -> str:
     # escape functions. Identical for both formats.
     if not labelnames or not labels:
         return ""
-    items = sorted(dict(zip(labelnames, labels)).items())
+    items = sorted(dict(zip(labelnames, labels, strict=False)).items())
     return "{" + ",".join(f'{om_exposition.escape_label_name(k, _UNDERSCORES)}="{om_exposition._escape(v, _ALLOWUTF8, False)}"' for k, v in items) + "}"
 
 

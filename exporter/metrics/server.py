@@ -14,8 +14,8 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import structlog
 
@@ -116,7 +116,7 @@ class _BasicAuth:
 
     async def allowed(self, header: str | None) -> bool | None:
         """True/False, or None when too many checks are queued (answer 429)."""
-        if not header or not header[:6].lower() == "basic ":
+        if not header or header[:6].lower() != "basic ":
             return False
         try:
             user, sep, password = base64.b64decode(header[6:].strip(), validate=True).decode("utf-8").partition(":")

@@ -36,8 +36,8 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
 
 import structlog
 
@@ -117,7 +117,7 @@ class RateLimitedLog:
 
 
 class _Conn:
-    __slots__ = ("id", "transport", "waiting", "since", "served")
+    __slots__ = ("id", "served", "since", "transport", "waiting")
 
     def __init__(self, cid: int, transport: asyncio.BaseTransport) -> None:
         self.id = cid
@@ -149,7 +149,7 @@ def bind(host: str, port: int, backlog: int = 128) -> socket.socket:
 
 
 class _Protocol(asyncio.StreamReaderProtocol):
-    def __init__(self, server: "HttpServer") -> None:
+    def __init__(self, server: HttpServer) -> None:
         self._srv = server
         reader = asyncio.StreamReader(limit=server.limits.max_head_bytes, loop=server.loop)
         super().__init__(reader, server._serve_conn, loop=server.loop)

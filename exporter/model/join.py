@@ -10,8 +10,8 @@ Invariants (checked by the property test tests/test_join.py::test_join_invariant
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 from ..devices.model import DeviceIdentity, DeviceReading
 from ..health.model import DeviceHealth, Scope

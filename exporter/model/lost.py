@@ -15,7 +15,8 @@ told apart (the devices collector fails and /readyz says so). Pure: no I/O.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from ..devices.model import DeviceIdentity, Vendor, normalize_pci_bus_id
 from ..k8s.model import SliceDevice

@@ -9,8 +9,8 @@ node's pods names the pod. A PID we cannot map is counted under an empty pod, ne
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from .snapshot import Snapshot
 

@@ -22,8 +22,8 @@ groups. Pure: no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from ..k8s.model import SliceDevice
 from ..k8s.resolve import DeviceIndex, resolve

@@ -28,7 +28,8 @@ import math
 import threading
 import time
 from collections import Counter, deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import structlog
 
@@ -46,7 +47,7 @@ from . import domains, names
 from .budget import Budget, LocalBudget
 from .plan import ADMIN_DELETED, Action, Decision, Effect, OwnedRule, Safety, Target, decide, node_wide, settle_due, settling, wanted
 from .reasons import Suppression
-from .report import Histogram, RemediationReport, TaintRuleView  # noqa: F401  (Histogram: re-exported)
+from .report import Histogram, RemediationReport, TaintRuleView
 from .state import AdminDeletion, NodeState, restore_health, rule_from_object
 from .writer import NameTaken, Outcome, RuleWriter
 

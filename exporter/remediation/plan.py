@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from ..config import TaintMode
 from ..health.model import DeviceHealth, Tier
 from .reasons import Suppression
-
 
 
 class Effect(str, enum.Enum):
