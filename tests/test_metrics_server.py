@@ -10,12 +10,12 @@ import gzip
 import shutil
 import subprocess
 import threading
-import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
 
 import pytest
+from kit_helpers import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter import __version__
@@ -56,16 +56,6 @@ def value(body: bytes, name: str, **labels: str) -> float | None:
     return hits[0] if hits else None
 
 
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
-    """Bounded polling: returns as soon as ``predicate`` is truthy."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = predicate()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
 
 
 def config(**kw) -> Config:
@@ -227,7 +217,7 @@ def test_hung_device_is_down_others_are_served_and_readyz_names_it():
     agent = Agent(config(call_timeout=0.5, hung_after=0), Sources(backend=sim(sc, 1.0)))
     with running(agent) as url:
         # more cycles: the stuck lane now fails fast
-        wait_for(lambda: (agent.run_cycle(), not agent.health.health(b.uuid).healthy)[1], timeout=60, what="driver_hung")
+        wait_until(lambda: (agent.run_cycle(), not agent.health.health(b.uuid).healthy)[1], timeout=60, message="driver_hung")
         _, _, body = fetch(url + "/metrics")
         status, _, ready = fetch(url + "/readyz")
     assert value(body, "gpu_up", uuid=b.uuid) == 0
@@ -247,16 +237,16 @@ def test_stalled_sampler_makes_readyz_fail_and_recover():
     # interval 0.05 s and call timeout 0.05 s: device data older than 0.2 s is stale
     agent = Agent(config(interval=0.05, call_timeout=0.05), Sources(backend=sim(TWO)))
     with running(agent) as url:
-        wait_for(lambda: fetch(url + "/readyz")[0] == 200, what="ready")
+        wait_until(lambda: fetch(url + "/readyz")[0] == 200, message="ready")
         # A sampler stuck inside a cycle (a kubelet or API call that does not return) holds
         # the cycle lock; holding it here stalls the real sampler thread the same way.
         with agent._cycle_lock:
-            status, _, body = wait_for(lambda: (r := fetch(url + "/readyz"))[0] == 503 and r, what="not ready")
+            status, _, body = wait_until(lambda: (r := fetch(url + "/readyz"))[0] == 503 and r, message="not ready")
             assert b"sampler stalled" in body and b"last successful device collection" in body
             # metrics are still served (the last good cycle), only readiness says they are old
             assert fetch(url + "/metrics")[0] == 200
             assert fetch(url + "/healthz")[0] == 200  # alive: a restart would not help
-        wait_for(lambda: fetch(url + "/readyz")[0] == 200, what="ready again")
+        wait_until(lambda: fetch(url + "/readyz")[0] == 200, message="ready again")
 
 
 def test_readiness_before_any_cycle_and_a_broken_probe():
@@ -308,7 +298,7 @@ def test_probes_answer_while_the_device_library_is_still_opening():
         backend.release.set()
         starting.join(10)
     try:
-        wait_for(lambda: fetch(url + "/readyz")[0] == 200, what="ready after the first cycle")
+        wait_until(lambda: fetch(url + "/readyz")[0] == 200, message="ready after the first cycle")
     finally:
         agent.stop()
 

@@ -14,9 +14,9 @@ import http.client
 import shutil
 import socket
 import subprocess
-import time
 
 import pytest
+from kit_helpers import wait_until
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_families
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -37,15 +37,6 @@ def exposition(server: MetricsServer | None = None):
     return Renderer().render(RenderState(snapshot=snap, cycles=3, http=server.stats() if server else None))
 
 
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = predicate()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -215,8 +206,8 @@ def test_idle_and_slow_connections_are_closed_and_counted(server):
     assert closed_by_server(slow).startswith(b"HTTP/1.1 408 ")
     idle.close()
     slow.close()
-    wait_for(lambda: server.stats().timed_out.get("idle", 0) >= 1 and server.stats().timed_out.get("header", 0) >= 1, what="timeouts counted")
-    assert server.stats().connections_open == 0 or wait_for(lambda: server.stats().connections_open == 0, what="no connection left")
+    wait_until(lambda: server.stats().timed_out.get("idle", 0) >= 1 and server.stats().timed_out.get("header", 0) >= 1, message="timeouts counted")
+    assert server.stats().connections_open == 0 or wait_until(lambda: server.stats().connections_open == 0, message="no connection left")
 
 
 def test_ceiling_evicts_idle_connections_and_scrapes_still_work(server):
@@ -224,7 +215,7 @@ def test_ceiling_evicts_idle_connections_and_scrapes_still_work(server):
     count never passes the ceiling, and a scrape arriving last is served."""
     socks = [socket.create_connection(("127.0.0.1", server.port), timeout=20) for _ in range(48)]
     try:
-        wait_for(lambda: server.stats().evicted >= 48 - 16, what="evictions")
+        wait_until(lambda: server.stats().evicted >= 48 - 16, message="evictions")
         assert server.stats().connections_open <= 16
         assert request(server)[0] == 200
         assert request(server, path="/readyz")[0] == 200
@@ -253,7 +244,7 @@ def test_a_scrapers_keep_alive_connection_outlives_an_idle_connection_flood():
         scraper.request("GET", "/metrics")
         assert scraper.getresponse().read() == s._exposition.body
         socks = [socket.create_connection(("127.0.0.1", s.port), timeout=20) for _ in range(64)]
-        wait_for(lambda: s.stats().evicted >= 64 - 15, what="the flood evicting its own idle connections")
+        wait_until(lambda: s.stats().evicted >= 64 - 15, message="the flood evicting its own idle connections")
         scraper.request("GET", "/metrics")  # the same connection: it was not the one to go
         r = scraper.getresponse()
         assert (r.status, r.read()) == (200, s._exposition.body)

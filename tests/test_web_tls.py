@@ -31,15 +31,6 @@ PASSWORD = "s3cret-scrape"
 HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()  # cost 4: fast tests, same code path
 
 
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = predicate()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 class Pki:
@@ -108,10 +99,10 @@ def test_tls_serves_rotated_certificates_and_refuses_plain_http(tmp_path):
         # counts it and goes on
         with pytest.raises((http.client.HTTPException, ConnectionError, OSError)):
             get(s, None)
-        wait_for(lambda: s.stats().tls_failed >= 1, what="the failed handshake counted")
+        wait_until(lambda: s.stats().tls_failed >= 1, message="the failed handshake counted")
         # rotate on disk: new connections get the new certificate, no restart
         pki.issue()
-        wait_for(lambda: get(s, pki.client_context())[3] != first, what="the rotated certificate served")
+        wait_until(lambda: get(s, pki.client_context())[3] != first, message="the rotated certificate served")
         assert get(s, pki.client_context())[0] == 200
         # a broken pair on disk (key of another cert) keeps the last good certificate
         other = pki.ca.issue_cert("127.0.0.1")
