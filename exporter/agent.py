@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -22,7 +22,7 @@ from .devices.deadline import CallHung, DeadlineRunner
 from .devices.model import DeviceIdentity, DeviceReading, ReadError
 from .health.engine import HealthEngine, HealthPolicy
 from .health.starvation import StarvationMonitor
-from .k8s.model import ClaimInfo, PodInfo
+from .k8s.model import ClaimInfo, PodInfo, SliceDevice
 from .kubelet.model import AllocationSource, PodResourcesSnapshot
 from .metrics.render import Renderer, RenderState
 from .metrics.server import MetricsServer
@@ -30,6 +30,7 @@ from .metrics.webconfig import load_web_config
 from .model.join import JoinInputs, join
 from .model.lost import lost_devices
 from .model.snapshot import Snapshot
+from .remediation.report import RemediationReport
 
 log = structlog.get_logger(__name__)
 
@@ -42,16 +43,67 @@ class CollectorStatus:
     last_success: float | None = None  # monotonic
 
 
+class KubeletSource(Protocol):
+    """The kubelet's PodResources API (exporter.kubelet.client.PodResourcesClient)."""
+
+    def list(self) -> PodResourcesSnapshot: ...
+    def close(self) -> None: ...
+
+
+class SliceSource(Protocol):
+    """This node's ResourceSlice devices, watched (exporter.k8s.slices.SliceWatcher)."""
+
+    @property
+    def synced(self) -> bool: ...
+    @property
+    def last_error(self) -> str | None: ...
+    def devices(self) -> dict[tuple[str, str, str], SliceDevice]: ...
+    def wait_synced(self, timeout: float | None = None) -> bool: ...
+    def start(self) -> None: ...
+    def stop(self, timeout: float = 5.0) -> None: ...
+
+
+class ClaimEntryView(Protocol):
+    @property
+    def info(self) -> ClaimInfo | None: ...
+
+
+class ClaimSource(Protocol):
+    """The claims this node's pods hold, fetched as needed (exporter.k8s.claims.ClaimCache)."""
+
+    @property
+    def last_error(self) -> str | None: ...
+    def refresh(self, keys: Iterable[tuple[str, str]]) -> None: ...
+    def prune(self, keep: Iterable[tuple[str, str]]) -> None: ...
+    def entry(self, namespace: str, name: str) -> ClaimEntryView | None: ...
+
+
+class PodSource(Protocol):
+    """This node's Pod objects, for labels and per-process attribution (exporter.k8s.pods.NodePods)."""
+
+    def list(self, force: bool = False) -> list[PodInfo]: ...
+
+
+class RemediationOutput(Protocol):
+    """Acts on the joined model (exporter.remediation.engine.Remediator) and reports back in a
+    frozen RemediationReport; the agent never reads its internals."""
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def update(self, snap: Snapshot) -> None: ...
+    def report(self) -> RemediationReport: ...
+
+
 @dataclass
 class Sources:
     """The optional I/O edges. Any of them may be None (no kubelet, no API server)."""
 
     backend: DeviceBackend
-    kubelet: Any = None  # exporter.kubelet.client.PodResourcesClient
-    slices: Any = None  # exporter.k8s.slices.SliceWatcher
-    claims: Any = None  # exporter.k8s.claims.ClaimCache
-    pods: Any = None  # exporter.k8s.pods.NodePods
-    remediation: Any = None  # exporter.remediation.engine.Remediator
+    kubelet: KubeletSource | None = None
+    slices: SliceSource | None = None
+    claims: ClaimSource | None = None
+    pods: PodSource | None = None
+    remediation: RemediationOutput | None = None
     processes: Callable[[Snapshot], dict] | None = None  # per-process attribution
 
 
