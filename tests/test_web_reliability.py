@@ -89,19 +89,27 @@ def agent(tmp_path):
         pytest.skip(f"this test opens {want} sockets; the hard open-file limit is {hard}")
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want), hard))
 
-    def limit_fds() -> None:  # the agent gets the common default
-        resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DRA_GPU_EXPORTER_")}
     stderr = tmp_path / "agent.stderr"
     with open(stderr, "wb") as err:
+        # The agent gets the common default open-file limit. Set by a tiny launcher that then
+        # execs the agent, not by preexec_fn: running Python code between fork and exec in this
+        # process (which has gRPC threads from other tests) let gRPC's fork handler abort the
+        # child once in CI ("epoll_wait error: Bad file descriptor", exit -6).
+        launcher = (
+            "import os, resource, sys; "
+            f"resource.setrlimit(resource.RLIMIT_NOFILE, ({FD_LIMIT}, resource.getrlimit(resource.RLIMIT_NOFILE)[1])); "
+            "os.execv(sys.executable, [sys.executable, '-m', 'exporter', *sys.argv[1:]])"
+        )
         proc = subprocess.Popen(
-            [sys.executable, "-m", "exporter", "demo", "--listen", f"127.0.0.1:{port}", "--log-format", "json"],
-            stdout=subprocess.DEVNULL, stderr=err, env=env, preexec_fn=limit_fds,
+            [sys.executable, "-c", launcher, "demo", "--listen", f"127.0.0.1:{port}", "--log-format", "json"],
+            stdout=subprocess.DEVNULL, stderr=err, env=env,
         )
     try:
         wait_for(lambda: get(port, "/readyz", 5)[0] == 200, 120, "the demo ready", proc)
+        limits = Path(f"/proc/{proc.pid}/limits").read_text()
+        assert any(line.startswith("Max open files") and line.split()[3] == str(FD_LIMIT) for line in limits.splitlines()), limits
         yield proc, port, stderr
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
