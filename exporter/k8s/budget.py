@@ -10,8 +10,8 @@ it. Data keys without a dot are the installer's:
 * ``fraction`` and ``cluster_gpus``: at most ``floor(fraction * cluster_gpus)`` (at least 1)
   when ``cluster_gpus`` is above 0.
 
-The capacity is the smallest cap stated; when the object states none, the agent's own
-``--taint-budget-max`` applies. Every other key is one held slot, ``<node>.<fault domain>``
+The capacity is the smallest cap stated; when the object states none, the agent's default
+(``Config.taint_budget_max``, 16) applies. Every other key is one held slot, ``<node>.<fault domain>``
 (the admission policy lets an agent add or remove only keys that start with its own node name
 and a dot), its value the time it was taken.
 
@@ -84,7 +84,6 @@ class ClusterBudget:
         name: str = BUDGET_NAME,
         *,
         taint_budget_max: int = 16,
-        taint_budget_fraction: float | None = None,  # accepted for wiring symmetry; the object states it
         attempts: int = 64,
         clock: Callable[[], float] = time.time,
     ) -> None:
