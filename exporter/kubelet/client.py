@@ -171,6 +171,10 @@ class PodResourcesClient:
                     # We re-create the channel ourselves; keep grpc's own retry short too.
                     ("grpc.initial_reconnect_backoff_ms", 100),
                     ("grpc.max_reconnect_backoff_ms", 1000),
+                    # A new channel must connect anew: from grpc's process-wide subchannel pool
+                    # it could inherit the dropped channel's subchannel, still in reconnect
+                    # backoff, and fail at once with the old "connection refused".
+                    ("grpc.use_local_subchannel_pool", 1),
                 ],
             )
             self._stub = api_pb2_grpc.PodResourcesListerStub(self._channel)
