@@ -143,7 +143,9 @@ class ClusterBudget:
             return None
 
         taken = bool(self._update(change))
-        log.info("budget_taken" if taken else "budget_full", holder=key, capacity=self.capacity)
+        # A full budget is told once per episode by the remediator (suppression, Event); asked
+        # again on every pass, it would be a log line per pass here.
+        (log.info if taken else log.debug)("budget_taken" if taken else "budget_full", holder=key, capacity=self.capacity)
         return taken
 
     def release(self, holder: str) -> None:
