@@ -174,6 +174,48 @@ def test_counters_come_from_one_field_values_call_per_device_in_base_units(nvml)
         assert fake.calls_on(GPU0, fn) == 0, fn
 
 
+def test_slow_fields_are_asked_once_per_period_and_their_last_value_held_between(nvml) -> None:
+    """The total-energy and PCIe-replay fields cost the driver milliseconds (measured on an
+    H100): they ride in the batch once per period, and reads in between report the last value."""
+    from exporter.devices.nvml import SLOW_FIELDS
+
+    now = [1000.0]
+    fake, backend = nvml([busy_gpu()], slow_counter_period_s=10.0, clock=lambda: now[0])
+    (d0,) = backend.enumerate()
+    first = backend.read(d0)
+    assert SLOW_FIELDS <= set(fake.field_requests[GPU0][-1])
+    fake.set_field(GPU0, 83, 20_000_000)  # the energy counter moves; nobody asks yet
+    fake.set_field(GPU0, 94, 40)
+    now[0] += 9.9
+    held = backend.read(d0)
+    assert not SLOW_FIELDS & set(fake.field_requests[GPU0][-1])
+    assert 185 in fake.field_requests[GPU0][-1]  # the cheap fields are still read every time
+    assert (held.energy_joules, held.pcie_replay_total) == (first.energy_joules, first.pcie_replay_total) == (pytest.approx(12_345.678), 12)
+    now[0] += 0.1
+    fresh = backend.read(d0)
+    assert SLOW_FIELDS <= set(fake.field_requests[GPU0][-1])
+    assert (fresh.energy_joules, fresh.pcie_replay_total) == (pytest.approx(20_000.0), 40)
+    assert fake.calls_on(GPU0, "nvmlDeviceGetTotalEnergyConsumption") == 0
+
+
+def test_slow_direct_calls_keep_the_same_period(nvml) -> None:
+    """Without the batch, the direct energy and PCIe-replay calls (as slow as their fields on
+    an H100) are asked once per period too."""
+    now = [1000.0]
+    fake, backend = nvml([busy_gpu()], setup=lambda f: f.remove_function("nvmlDeviceGetFieldValues"), slow_counter_period_s=10.0, clock=lambda: now[0])
+    (d0,) = backend.enumerate()
+    for _ in range(3):
+        r = backend.read(d0)
+        now[0] += 1.0
+    assert r.energy_joules == pytest.approx(12_345.678) and r.pcie_replay_total == 12
+    assert fake.calls_on(GPU0, "nvmlDeviceGetTotalEnergyConsumption") == 1
+    assert fake.calls_on(GPU0, "nvmlDeviceGetPcieReplayCounter") == 1
+    assert fake.calls_on(GPU0, "nvmlDeviceGetPowerUsage") == 3
+    now[0] += 10.0
+    backend.read(d0)
+    assert fake.calls_on(GPU0, "nvmlDeviceGetTotalEnergyConsumption") == 2
+
+
 def test_direct_calls_replace_the_batch_when_field_values_is_missing(nvml) -> None:
     fake, backend = nvml([busy_gpu()], setup=lambda f: f.remove_function("nvmlDeviceGetFieldValues"))
     (d0,) = backend.enumerate()
@@ -606,7 +648,8 @@ def test_recorder_output_replays(tmp_path: Path) -> None:
 def replay(fixture: dict) -> None:
     fake = FakeNvml.from_fixture(fixture)
     with installed(fake):
-        backend = NvmlBackend(event_wait_ms=50)
+        # every cycle's recorded answer is checked, so the slow fields are asked on every read
+        backend = NvmlBackend(event_wait_ms=50, slow_counter_period_s=0.0)
         backend.open()
         try:
             devices = by_uuid(backend.enumerate())

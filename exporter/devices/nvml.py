@@ -99,6 +99,13 @@ _FI_POWER_AVERAGE = 185
 _POWER_SCOPE_GPU = 0
 _FI_RECOVERY_ACTION = 230
 
+#: Fields the driver answers slowly, read at most once per ``slow_counter_period_s``; between
+#: reads the last value is reported (both are counters, so rate() over them is unchanged).
+#: Measured on an H100 (driver 580.159.04, bench/nvml_hardware.py): the total-energy field costs
+#: 3.2 ms of CPU per call and the PCIe replay counter 0.13 ms, every other field 2-7 us, so the
+#: energy field alone was two thirds of a GPU's read and most of the agent's CPU at 1 s.
+SLOW_FIELDS: frozenset[int] = frozenset({_FI_ENERGY, _FI_PCIE_REPLAY})
+
 #: (field id, scope id) requested in the one batched call per full GPU
 FIELD_REQUESTS: tuple[tuple[int, int], ...] = tuple(
     (fid, _POWER_SCOPE_GPU if fid == _FI_POWER_AVERAGE else 0)
@@ -172,6 +179,10 @@ class _Device:
     # The field requests this device answers, rebuilt when a field turns out unsupported:
     # filtering FIELD_REQUESTS on every read was a measurable share of the per-read cost.
     field_requests: list[tuple[int, int]] | None = None
+    fast_field_requests: list[tuple[int, int]] | None = None  # field_requests less SLOW_FIELDS
+    slow_due: float = 0.0  # monotonic time the slow fields are next asked for
+    slow_values: dict[int, int | float] = field(default_factory=dict)  # their last answers
+    slow_direct: dict[str, tuple[float, Any]] = field(default_factory=dict)  # key -> (due, value)
     # Equivalent-call fallbacks (newest API first) per quantity, built once per device: the
     # handle never changes for a _Device, so neither do the bound argument tuples.
     fallbacks: dict[str, list[tuple[str, Callable[..., Any], tuple]]] = field(default_factory=dict)
@@ -282,8 +293,12 @@ class NvmlBackend(DeviceBackend):
         lock_timeout_s: float = 1.0,
         processes: bool = True,
         gpm: bool = True,
+        slow_counter_period_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._event_wait_ms = event_wait_ms
+        self._slow_period = slow_counter_period_s
+        self._clock = clock
         self._lock_timeout_s = lock_timeout_s
         self._read_processes = processes
         self._use_gpm = gpm
@@ -687,11 +702,14 @@ class NvmlBackend(DeviceBackend):
         lock is held by a stuck call), use the direct calls instead."""
         if "field_values" in dev.unsupported:
             return None
-        fields = dev.field_requests
-        if fields is None:
-            fields = dev.field_requests = [f for f in FIELD_REQUESTS if f[0] not in dev.unsupported_fields]
+        if dev.field_requests is None or dev.fast_field_requests is None:
+            dev.field_requests = [f for f in FIELD_REQUESTS if f[0] not in dev.unsupported_fields]
+            dev.fast_field_requests = [f for f in dev.field_requests if f[0] not in SLOW_FIELDS]
+        now = self._clock()
+        slow_due = now >= dev.slow_due
+        fields = dev.field_requests if slow_due else dev.fast_field_requests
         if not fields:
-            return {}
+            return dict(dev.slow_values)
         if not _BATCH_LOCK.acquire(timeout=self._lock_timeout_s):
             log.warning("nvml_field_values_lock_busy", uuid=dev.identity.uuid, fallback="direct calls")
             return None
@@ -710,12 +728,18 @@ class NvmlBackend(DeviceBackend):
             elif ret in _UNSUPPORTED or ret == _ERR_INVALID_ARGUMENT:
                 # per value, INVALID_ARGUMENT means "this driver does not know this field id"
                 dev.unsupported_fields.add(fid)
-                dev.field_requests = None
+                dev.field_requests = dev.fast_field_requests = None
                 log.info("nvml_field_unsupported", uuid=dev.identity.uuid, field_id=fid, ret=ret)
             elif ret in (_ERR_GPU_IS_LOST, _ERR_UNKNOWN):
                 raise _CallFailed(ret, f"field {fid}", str(pynvml.NVMLError(ret)))
             else:
                 log.debug("nvml_field_transient_error", uuid=dev.identity.uuid, field_id=fid, ret=ret)
+        if slow_due:
+            dev.slow_due = now + self._slow_period
+            dev.slow_values = {fid: out[fid] for fid in SLOW_FIELDS if fid in out}
+        else:
+            for fid, value in dev.slow_values.items():
+                out.setdefault(fid, value)
         return out
 
     def _read_counters(self, dev: _Device, r: DeviceReading) -> None:
@@ -728,7 +752,7 @@ class NvmlBackend(DeviceBackend):
             if fid in fv:
                 return fv[fid]
             if direct or fid in dev.unsupported_fields:
-                return self._call(dev, key, fn, *args)
+                return self._slow_call(dev, key, fn, *args) if fid in SLOW_FIELDS else self._call(dev, key, fn, *args)
             return None
 
         energy = field_or_direct(_FI_ENERGY, "energy", pynvml.nvmlDeviceGetTotalEnergyConsumption, h)
@@ -770,6 +794,16 @@ class NvmlBackend(DeviceBackend):
         if _FI_PCIE_REPLAY in fv:
             r.pcie_replay_total = int(fv[_FI_PCIE_REPLAY])
 
+    def _slow_call(self, dev: _Device, key: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """A SLOW_FIELDS quantity read by its own call (the direct equivalents are as slow as the
+        fields): asked once per period, the last answer reported in between."""
+        now = self._clock()
+        due, value = dev.slow_direct.get(key, (0.0, None))
+        if now >= due:
+            value = self._call(dev, key, fn, *args)
+            dev.slow_direct[key] = (now + self._slow_period, value)
+        return value
+
     def _read_counters_direct(self, dev: _Device, r: DeviceReading) -> None:
         """The same counters one call each, for drivers without nvmlDeviceGetFieldValues."""
         h = dev.handle
@@ -797,7 +831,7 @@ class NvmlBackend(DeviceBackend):
             cor, unc, pend, fail = rows
             r.remapped_rows_correctable, r.remapped_rows_uncorrectable = int(cor), int(unc)
             r.row_remap_pending, r.row_remap_failure = bool(pend), bool(fail)
-        replay = self._call(dev, "pcie_replay", pynvml.nvmlDeviceGetPcieReplayCounter, h)
+        replay = self._slow_call(dev, "pcie_replay", pynvml.nvmlDeviceGetPcieReplayCounter, h)
         if replay is not None:
             r.pcie_replay_total = int(replay)
 
