@@ -101,6 +101,7 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=10000)
     ap.add_argument("--cpu-seconds", type=float, default=30.0)
     ap.add_argument("--mode", choices=("soak", "cycle"), default="soak")
+    ap.add_argument("--profile", type=Path, help="cycle mode: profile the measured cycles (all threads, yappi) into this file")
     ap.add_argument("--claims-ttl", type=float, default=None, help="diagnosis: override the ResourceClaim cache's TTL (re-fetch cost)")
     a = ap.parse_args()
     t_start = time.perf_counter()
@@ -142,6 +143,18 @@ def main() -> None:
     ready = agent.readiness()
     try:
         if a.mode == "cycle":
+            if a.profile:
+                import yappi
+                from profile_agent import report
+
+                for _ in range(10):
+                    agent.run_cycle()
+                yappi.set_clock_type("cpu")
+                yappi.start(builtins=True)
+                for _ in range(a.cycles):
+                    agent.run_cycle()
+                yappi.stop()
+                a.profile.write_text(f"{a.cycles} cycles\n" + report(60))
             out = measure_cycles(agent, a.cycles, a.cpu_seconds)
             out.update(
                 after_imports_mb=imported_mb,

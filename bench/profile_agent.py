@@ -27,6 +27,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from exporter.cli import main as agent_main
 
 
+def report(top: int) -> str:
+    """yappi's CPU per thread and the ``top`` functions by own and by cumulative CPU."""
+    buf = io.StringIO()
+    threads = yappi.get_thread_stats()
+    threads.sort("ttot")
+    buf.write("== CPU per thread\n")
+    threads.print_all(out=buf)
+    funcs = yappi.get_func_stats()
+    for key in ("tsub", "ttot"):
+        funcs.sort(key)
+        buf.write(f"\n== top {top} functions by {key}\n")
+        for st in list(funcs)[:top]:
+            buf.write(f"{st.ttot:9.4f} ttot {st.tsub:9.4f} tsub {st.ncall:>8} calls  {st.module}:{st.lineno} {st.name}\n")
+    return buf.getvalue()
+
+
 def main() -> int:
     argv = sys.argv[1:]
     agent_argv = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -44,19 +60,9 @@ def main() -> int:
     rc = agent_main(agent_argv)
     yappi.stop()
 
-    buf = io.StringIO()
-    threads = yappi.get_thread_stats()
-    threads.sort("ttot")
-    buf.write(f"agent exit status {rc}; {a.seconds:.0f} s profiled\n\n== CPU per thread\n")
-    threads.print_all(out=buf)
-    funcs = yappi.get_func_stats()
-    for key in ("tsub", "ttot"):
-        funcs.sort(key)
-        buf.write(f"\n== top {a.top} functions by {key}\n")
-        for st in list(funcs)[: a.top]:
-            buf.write(f"{st.ttot:9.4f} ttot {st.tsub:9.4f} tsub {st.ncall:>8} calls  {st.module}:{st.lineno} {st.name}\n")
-    a.out.write_text(buf.getvalue())
-    print(buf.getvalue()[:6000])
+    text = f"agent exit status {rc}; {a.seconds:.0f} s profiled\n\n" + report(a.top)
+    a.out.write_text(text)
+    print(text[:6000])
     return 0
 
 

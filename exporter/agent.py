@@ -27,7 +27,7 @@ from .kubelet.model import AllocationSource, PodResourcesSnapshot
 from .metrics.render import Renderer, RenderState
 from .metrics.server import MetricsServer
 from .metrics.webconfig import load_web_config
-from .model.join import JoinInputs, join
+from .model.join import JoinInputs, JoinMemo, join
 from .model.lost import lost_devices
 from .model.snapshot import Snapshot
 from .remediation.report import RemediationReport
@@ -129,6 +129,7 @@ class Agent:
         self.api_runner = DeadlineRunner()
         self._last_pods: list[PodInfo] = []
         self.renderer = Renderer()
+        self._join_memo = JoinMemo()  # the join's structure while pods, claims and slices stand still
         self.server: MetricsServer | None = None
         self.status: dict[str, CollectorStatus] = {}
         self.snapshot: Snapshot | None = None
@@ -364,7 +365,8 @@ class Agent:
                 claims=claims,
                 pods=tuple(pods),
                 pod_labels={(p.namespace, p.name): getattr(p, "labels", {}) for p in pods},
-            )
+            ),
+            self._join_memo,
         )
         self.snapshot = snap
         if self.src.remediation is not None:

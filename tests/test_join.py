@@ -7,6 +7,8 @@ holds it, every enumerated device once, and no exception for any input.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections import Counter
 
 from hypothesis import HealthCheck, given, settings
@@ -16,7 +18,7 @@ from exporter.devices.model import DeviceIdentity, DeviceReading, ReadError, Ven
 from exporter.health.model import Condition, DeviceHealth, Tier
 from exporter.k8s.model import AllocatedDevice, ClaimInfo, SliceDevice
 from exporter.kubelet.model import AllocationSource, ContainerAllocation
-from exporter.model.join import JoinInputs, effective_health, join
+from exporter.model.join import JoinInputs, JoinMemo, effective_health, join
 from exporter.model.snapshot import Snapshot
 
 NV = "gpu.nvidia.com"
@@ -399,3 +401,17 @@ def test_join_invariants(allocations, slices, use_good_slices, n_identities, rea
     # pure: the same inputs give the same snapshot
     again = join(inp)
     assert again.allocations == snap.allocations and again.claims == snap.claims
+
+    # a memo only saves work: primed with other allocations, then kept across a cycle whose
+    # readings and health moved, it gives exactly what a fresh join gives
+    memo = JoinMemo()
+    join(dataclasses.replace(inp, allocations=tuple(allocations[:1])), memo)
+    assert join(inp, memo) == snap
+    kept = memo.structure
+    moved = dataclasses.replace(
+        inp,
+        readings={u: DeviceReading(uuid=u, utilization_ratio=0.25, memory_used_bytes=7, power_watts=1.5) for u in read_map},
+        health={u: DeviceHealth(u, (Condition(u, Tier.FATAL, "r", 1.0, 1.0),)) for u in list(read_map)[:1]},
+    )
+    assert join(moved, memo) == join(moved)
+    assert memo.structure is kept  # same pods, claims, slices and devices: structure reused

@@ -223,6 +223,18 @@ def test_set_pods_copies_its_input(kubelet: FakeKubelet, client: PodResourcesCli
     assert client.list().pods == (("ns", "p"),)
 
 
+def test_an_unchanged_list_is_not_converted_again_and_a_changed_one_is(kubelet: FakeKubelet, client: PodResourcesClient):
+    shared = claim("ml", "single-gpu", [(DRIVER, POOL, "gpu-0", None)])
+    kubelet.set_pods([pod("ml", "pod1", [container("main", claims=[shared])])])
+    first = client.list()
+    assert client.list() is first  # equal answer: the same snapshot object (the join keeps its structure)
+    kubelet.set_pods([pod("ml", "pod1", [container("main", claims=[shared])]), pod("ml", "pod2", [container("main", claims=[shared])])])
+    changed = client.list()
+    assert changed is not first and changed.pods == (("ml", "pod1"), ("ml", "pod2"))
+    kubelet.set_pods([pod("ml", "pod1", [container("main", claims=[shared])])])
+    assert client.list().pods == (("ml", "pod1"),)
+
+
 # -- availability ----------------------------------------------------------------------------
 
 

@@ -35,7 +35,7 @@ from prometheus_client.utils import floatToGoString
 
 from .. import __version__
 from ..devices.model import DeviceReading
-from ..model.snapshot import Snapshot
+from ..model.snapshot import AllocationView, Snapshot
 from .catalog import BY_NAME
 from .webstats import HttpStats
 
@@ -117,6 +117,20 @@ class _RowFamily:
     def samples(self, value: list) -> None:
         self._samples = value
 
+    def add_rows(self, rows: Iterable[tuple[tuple[str, ...], Any]]) -> None:
+        """Many ``add_metric(labels, value)`` calls at once, labels already tuples: the dense
+        node's claim and allocation families are thousands of samples, and a method call
+        per sample was most of their cost."""
+        if self.plain:
+            for labels, value in rows:
+                self.add_metric(labels, value)  # type: ignore[attr-defined]
+            return
+        start = len(self._rows)
+        self._rows.extend(rows)
+        for _, value in self._rows[start:]:
+            if not value and value.__class__ is float and math.copysign(1.0, value) < 0:
+                self.negative_zero = True
+
     def _go_plain(self) -> None:
         self.samples  # noqa: B018 - replay the rows first, keeping the samples' order
         self.plain = True
@@ -160,7 +174,7 @@ class Counter(_RowFamily, CounterMetricFamily):
                 self.negative_zero = True
 
 
-def _fam(name: str, extra_labels: tuple[str, ...] = ()) -> Metric:
+def _fam(name: str, extra_labels: tuple[str, ...] = ()) -> Gauge | Counter:
     d = BY_NAME[name]
     labels = ["node", *d.labels, *extra_labels]
     if d.kind == "counter":
@@ -197,6 +211,8 @@ _LABEL_KEY_RE = re.compile(r"[^a-zA-Z0-9_]")
 class SnapshotCollector(Collector):
     def __init__(self) -> None:
         self.state = RenderState()
+        # (node, the snapshot's allocations tuple, its dra_device_allocation_info rows)
+        self._alloc_rows: tuple[str, tuple[AllocationView, ...], list[tuple[tuple[str, ...], Any]]] | None = None
 
     def collect(self) -> Iterator[Metric]:
         st = self.state
@@ -345,24 +361,46 @@ class SnapshotCollector(Collector):
 
     def _attribution(self, node: str, snap: Snapshot, st: RenderState) -> Iterable[Metric]:
         alloc = _fam("dra_device_allocation_info")
-        for a in snap.allocations:
-            alloc.add_metric([node, a.driver, a.pool, a.device, a.uuid, a.namespace, a.pod, a.container, a.claim], 1)
+        cached = self._alloc_rows
+        if cached is None or cached[0] != node or cached[1] is not snap.allocations:
+            # The join hands back the very same allocation tuple while nothing moved (JoinMemo):
+            # the rows are built when it changes, not every cycle.
+            rows = [((node, a.driver, a.pool, a.device, a.uuid, a.namespace, a.pod, a.container, a.claim), 1) for a in snap.allocations]
+            cached = self._alloc_rows = (node, snap.allocations, rows)
+        alloc.add_rows(cached[2])
         yield alloc
-        fams = {n: _fam(n) for n in ("dra_claim_devices", "dra_claim_pods", "dra_claim_utilization_ratio", "dra_claim_memory_used_bytes", "dra_claim_memory_total_bytes", "dra_claim_power_watts", "dra_claim_healthy")}
+        devices: list[tuple[tuple[str, ...], Any]] = []
+        pods: list[tuple[tuple[str, ...], Any]] = []
+        util: list[tuple[tuple[str, ...], Any]] = []
+        used: list[tuple[tuple[str, ...], Any]] = []
+        total: list[tuple[tuple[str, ...], Any]] = []
+        power: list[tuple[tuple[str, ...], Any]] = []
+        healthy: list[tuple[tuple[str, ...], Any]] = []
         for c in snap.claims:
-            key = [node, c.namespace, c.name]
-            fams["dra_claim_devices"].add_metric(key, len(c.devices))
-            fams["dra_claim_pods"].add_metric(key, len(c.pods))
+            key = (node, c.namespace, c.name)
+            devices.append((key, len(c.devices)))
+            pods.append((key, len(c.pods)))
             if c.utilization is not None:
-                fams["dra_claim_utilization_ratio"].add_metric(key, c.utilization)
+                util.append((key, c.utilization))
             if c.memory_used_bytes is not None:
-                fams["dra_claim_memory_used_bytes"].add_metric(key, c.memory_used_bytes)
+                used.append((key, c.memory_used_bytes))
             if c.memory_total_bytes is not None:
-                fams["dra_claim_memory_total_bytes"].add_metric(key, c.memory_total_bytes)
+                total.append((key, c.memory_total_bytes))
             if c.power_watts is not None:
-                fams["dra_claim_power_watts"].add_metric(key, c.power_watts)
-            fams["dra_claim_healthy"].add_metric(key, 1 if c.healthy else 0)
-        yield from fams.values()
+                power.append((key, c.power_watts))
+            healthy.append((key, 1 if c.healthy else 0))
+        for name, rows in (
+            ("dra_claim_devices", devices),
+            ("dra_claim_pods", pods),
+            ("dra_claim_utilization_ratio", util),
+            ("dra_claim_memory_used_bytes", used),
+            ("dra_claim_memory_total_bytes", total),
+            ("dra_claim_power_watts", power),
+            ("dra_claim_healthy", healthy),
+        ):
+            fam = _fam(name)
+            fam.add_rows(rows)
+            yield fam
         un = _fam("dra_unresolved_devices")
         for drv, n in sorted(snap.unresolved.items()):
             un.add_metric([node, drv], n)

@@ -65,11 +65,35 @@ def effective_health(uuid: str, parent_uuid: str, health: Mapping[str, DeviceHea
     return DeviceHealth(uuid=uuid, conditions=own.conditions + inherited, sticky=own.sticky or parent.sticky)
 
 
-def join(inp: JoinInputs) -> Snapshot:
-    index = DeviceIndex(inp.identities)
+@dataclass(frozen=True)
+class _Structure:
+    """What a join derives from who holds what: the allocation rows, the claims' membership and
+    the unresolved counts. It changes when pods, claims, slices or devices do, not when readings
+    or health do, so JoinMemo keeps it between cycles."""
+
+    rows: tuple[AllocationView, ...]
+    # (namespace, name, (driver, pool, device) keys, resolved uuids, pods) per GPU claim, sorted
+    claims: tuple[tuple[str, str, tuple[DeviceKey, ...], tuple[str, ...], tuple[str, ...]], ...]
+    unresolved: dict[str, int]
+
+
+class JoinMemo:
+    """The last join's structure and the inputs it came from. On a steady node the kubelet,
+    claim and slice inputs are equal from cycle to cycle (mostly the very same objects, which
+    makes the comparison a pointer check in C), and re-deriving 512 claims' structure was the
+    largest share of the dense node's cycle. The join stays a pure function of its inputs: a
+    memo only saves recomputing an equal result."""
+
+    __slots__ = ("key", "structure")
+
+    def __init__(self) -> None:
+        self.key: tuple[object, ...] | None = None
+        self.structure: _Structure | None = None
+
+
+def join(inp: JoinInputs, memo: JoinMemo | None = None) -> Snapshot:
     slices = inp.slices or {}
     claims = inp.claims or {}
-
     devices = tuple(
         DeviceView(
             identity=ident,
@@ -78,8 +102,33 @@ def join(inp: JoinInputs) -> Snapshot:
         )
         for ident in inp.identities
     )
+    key = (inp.allocations, slices, claims, inp.identities)
+    if memo is not None and memo.structure is not None and memo.key == key:
+        structure = memo.structure
+    else:
+        structure = _structure(inp.allocations, slices, claims, inp.identities)
+        if memo is not None:
+            memo.key, memo.structure = key, structure
     by_uuid = {d.uuid: d for d in devices}
+    return Snapshot(
+        node=inp.node,
+        timestamp=inp.timestamp,
+        devices=devices,
+        allocations=structure.rows,
+        claims=_claim_views(structure.claims, by_uuid),
+        unresolved=dict(structure.unresolved),
+        pod_labels={k: dict(v) for k, v in (inp.pod_labels or {}).items()},
+        pod_uids={p.uid: (p.namespace, p.name) for p in inp.pods if p.uid},
+    )
 
+
+def _structure(
+    allocations: tuple[ContainerAllocation, ...],
+    slices: Mapping[DeviceKey, SliceDevice],
+    claims: Mapping[tuple[str, str], ClaimInfo],
+    identities: tuple[DeviceIdentity, ...],
+) -> _Structure:
+    index = DeviceIndex(identities)
     # Resolve each distinct device once, not once per container that holds it.
     resolved: dict[tuple[str, str, str, str], Resolution] = {}
     rows: list[AllocationView] = []
@@ -90,7 +139,7 @@ def join(inp: JoinInputs) -> Snapshot:
     # compute-domain channels) allocate devices that are no GPU at all: not "unresolved".
     gpu_drivers = {NVIDIA_DRIVER, AMD_DRIVER}
 
-    for a in inp.allocations:
+    for a in allocations:
         if a.source == AllocationSource.DRA:
             key = (a.driver, a.pool, a.device)
             rkey = ("dra",) + key
@@ -121,17 +170,10 @@ def join(inp: JoinInputs) -> Snapshot:
 
     # Claim metrics are about GPUs: a NIC in a GPU+NIC claim is not one of its devices, and a
     # claim holding no GPU at all (a compute-domain channel, say) is not exported.
-    claim_views = tuple(_claims([r for r in rows if r.driver in gpu_drivers], by_uuid))
-    pod_uids = {p.uid: (p.namespace, p.name) for p in inp.pods if p.uid}
-    return Snapshot(
-        node=inp.node,
-        timestamp=inp.timestamp,
-        devices=devices,
-        allocations=tuple(rows),
-        claims=claim_views,
+    return _Structure(
+        rows=tuple(rows),
+        claims=_claim_groups(r for r in rows if r.driver in gpu_drivers),
         unresolved=_unresolved_counts(slices, unresolved, gpu_drivers, _plugin_gpu_resources(rows)),
-        pod_labels={k: dict(v) for k, v in (inp.pod_labels or {}).items()},
-        pod_uids=pod_uids,
     )
 
 
@@ -161,31 +203,53 @@ def _unresolved_counts(
     return dict(sorted(counts.items()))
 
 
-def _claims(rows: Iterable[AllocationView], by_uuid: Mapping[str, DeviceView]) -> Iterable[ClaimView]:
+def _claim_groups(rows: Iterable[AllocationView]) -> tuple[tuple[str, str, tuple[DeviceKey, ...], tuple[str, ...], tuple[str, ...]], ...]:
     groups: dict[tuple[str, str], list[AllocationView]] = defaultdict(list)
     for r in rows:
         if r.source == "dra" and r.claim:
             groups[(r.namespace, r.claim)].append(r)
-    for (ns, name), members in sorted(groups.items()):
-        keys = sorted({(m.driver, m.pool, m.device) for m in members})
-        uuids = sorted({m.uuid for m in members if m.uuid})
-        views = [by_uuid[u] for u in uuids if u in by_uuid]
-        utils = [v.utilization for v in views if v.utilization is not None]
-        mem_used = [v.reading.memory_used_bytes for v in views if v.up and v.reading.memory_used_bytes is not None]
-        mem_total = [v.reading.memory_total_bytes for v in views if v.up and v.reading.memory_total_bytes is not None]
-        # Power is a property of the physical GPU: MIG instances have none of their own.
-        power = [v.reading.power_watts for v in views if v.up and v.reading.power_watts is not None and not v.identity.is_partition]
-        yield ClaimView(
-            namespace=ns,
-            name=name,
-            devices=tuple(keys),
-            uuids=tuple(uuids),
-            pods=tuple(sorted({m.pod for m in members})),
-            utilization=(sum(utils) / len(utils)) if utils else None,
-            memory_used_bytes=sum(mem_used) if mem_used else None,
-            memory_total_bytes=sum(mem_total) if mem_total else None,
-            power_watts=sum(power) if power else None,
-            # A device we could not resolve or read counts as unhealthy only through its health;
-            # unknown is not broken. A lost GPU has a health condition, so it shows here.
-            healthy=all(v.health.healthy for v in views),
+    return tuple(
+        (
+            ns,
+            name,
+            tuple(sorted({(m.driver, m.pool, m.device) for m in members})),
+            tuple(sorted({m.uuid for m in members if m.uuid})),
+            tuple(sorted({m.pod for m in members})),
         )
+        for (ns, name), members in sorted(groups.items())
+    )
+
+
+def _claim_views(
+    groups: tuple[tuple[str, str, tuple[DeviceKey, ...], tuple[str, ...], tuple[str, ...]], ...], by_uuid: Mapping[str, DeviceView]
+) -> tuple[ClaimView, ...]:
+    # Claims holding the same devices have the same figures: a dense node's 512 claims share
+    # a few dozen device sets, so each set is aggregated once per cycle.
+    figures: dict[tuple[str, ...], tuple[float | None, int | None, int | None, float | None, bool]] = {}
+    out = []
+    for ns, name, keys, uuids, pods in groups:
+        f = figures.get(uuids)
+        if f is None:
+            f = figures[uuids] = _figures(uuids, by_uuid)
+        out.append(ClaimView(ns, name, keys, uuids, pods, *f))
+    return tuple(out)
+
+
+def _figures(uuids: tuple[str, ...], by_uuid: Mapping[str, DeviceView]) -> tuple[float | None, int | None, int | None, float | None, bool]:
+    """(utilization, memory used, memory total, power, healthy) of a claim on these devices."""
+    views = [by_uuid[u] for u in uuids if u in by_uuid]
+    utils = [u for u in (v.utilization for v in views) if u is not None]
+    readings = [v.reading for v in views if v.up and v.reading is not None]
+    mem_used = [r.memory_used_bytes for r in readings if r.memory_used_bytes is not None]
+    mem_total = [r.memory_total_bytes for r in readings if r.memory_total_bytes is not None]
+    # Power is a property of the physical GPU: MIG instances have none of their own.
+    power = [v.reading.power_watts for v in views if v.up and v.reading is not None and v.reading.power_watts is not None and not v.identity.is_partition]
+    return (
+        (sum(utils) / len(utils)) if utils else None,
+        sum(mem_used) if mem_used else None,
+        sum(mem_total) if mem_total else None,
+        sum(power) if power else None,
+        # A device we could not resolve or read counts as unhealthy only through its health;
+        # unknown is not broken. A lost GPU has a health condition, so it shows here.
+        all(v.health.healthy for v in views),
+    )
