@@ -84,6 +84,32 @@ def measure_cycles(agent, cycles: int, cpu_seconds: float) -> dict:
     }
 
 
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds per native thread of this process, by name (gRPC's C threads included)."""
+    out: dict[str, float] = {}
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                head, rest = f.read().rsplit(")", 1)
+        except OSError:
+            continue
+        name = head.split("(", 1)[1]
+        fields = rest.split()
+        out[f"{names.get(int(tid), name)}/{tid}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def idle_threads(seconds: float) -> dict:
+    """Process CPU while the agent runs no cycle: what its threads cost doing nothing."""
+    before, c0, w0 = _thread_cpu(), time.process_time(), time.perf_counter()
+    time.sleep(seconds)
+    after, cpu, wall = _thread_cpu(), time.process_time() - c0, time.perf_counter() - w0
+    busy = {k: round(v - before.get(k, 0.0), 3) for k, v in after.items() if v - before.get(k, 0.0) > 0}
+    return {"cpu_percent": 100 * cpu / wall, "seconds": wall, "threads_cpu_s": busy}
+
+
 def process_age() -> float:
     """Seconds since this process was started (exec), from /proc: interpreter start included."""
     with open("/proc/self/stat") as f:
@@ -102,6 +128,7 @@ def main() -> None:
     ap.add_argument("--cpu-seconds", type=float, default=30.0)
     ap.add_argument("--mode", choices=("soak", "cycle"), default="soak")
     ap.add_argument("--profile", type=Path, help="cycle mode: profile the measured cycles (all threads, yappi) into this file")
+    ap.add_argument("--idle-seconds", type=float, default=0.0, help="cycle mode: also report process CPU per thread while no cycle runs")
     ap.add_argument("--claims-ttl", type=float, default=None, help="diagnosis: override the ResourceClaim cache's TTL (re-fetch cost)")
     a = ap.parse_args()
     t_start = time.perf_counter()
@@ -154,8 +181,20 @@ def main() -> None:
                 for _ in range(a.cycles):
                     agent.run_cycle()
                 yappi.stop()
-                a.profile.write_text(f"{a.cycles} cycles\n" + report(60))
+                text = f"{a.cycles} cycles back to back\n" + report(60)
+                # ...and the agent at its 1 s cadence: what its other threads cost between cycles
+                yappi.clear_stats()
+                yappi.start(builtins=True)
+                next_at = time.monotonic()
+                for _ in range(10):
+                    agent.run_cycle()
+                    next_at += 1.0
+                    time.sleep(max(0.0, next_at - time.monotonic()))
+                yappi.stop()
+                a.profile.write_text(text + "\n\n10 s at a 1 s cadence\n" + report(40))
             out = measure_cycles(agent, a.cycles, a.cpu_seconds)
+            if a.idle_seconds:
+                out["idle"] = idle_threads(a.idle_seconds)
             out.update(
                 after_imports_mb=imported_mb,
                 start_seconds=started_s,

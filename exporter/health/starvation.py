@@ -68,7 +68,7 @@ class StarvationMonitor:
         threshold: float,
         window: float,
         *,
-        period: float = 0.1,
+        period: float = 0.25,  # 4 wake-ups a second: lags of half a deadline (>= 50 ms) stay visible
         cpu_stat: str | None = None,
         throttle_ratio: float = 0.1,
         throttle_every: float = 1.0,
