@@ -70,7 +70,9 @@ class TaintRuleClient:
     def api_version(self) -> str:
         return f"{RESOURCE_GROUP}/{self.served().version}"
 
-    def body(self, name: str, driver: str, pool: str, device: str, key: str, value: str, effect: str, labels: dict[str, str], annotations: dict[str, str]) -> dict[str, Any]:
+    def body(
+        self, name: str, driver: str, pool: str, device: str, key: str, value: str, effect: str, labels: dict[str, str], annotations: dict[str, str]
+    ) -> dict[str, Any]:
         if not (driver and pool and device):
             # An empty selector matches every device in the cluster (kubernetes#141422).
             raise ValueError("refusing to build a DeviceTaintRule without driver, pool and device")

@@ -623,7 +623,8 @@ class Remediator:
             self._plugin_notified[ident.uuid] = state
             if prev == state or (prev is None and not state):
                 continue  # no change, or healthy from the start: nothing to tell
-            note = f"GPU {ident.uuid} ({ident.pci_bus_id}) is {state or 'healthy again'}" + (f": {h.conditions[0].reason}" if state and h is not None else "") + "; not DRA-managed, so no DeviceTaintRule can select it"
+            why = f": {h.conditions[0].reason}" if state and h is not None else ""
+            note = f"GPU {ident.uuid} ({ident.pci_bus_id}) is {state or 'healthy again'}{why}; not DRA-managed, so no DeviceTaintRule can select it"
             self.writer.node_event("GPUUnhealthy" if state else "GPUHealthy", note, "Observe", warning=bool(state))
 
     # -- outputs -------------------------------------------------------------------------------
