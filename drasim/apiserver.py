@@ -102,6 +102,7 @@ class FakeApiServer:
                                         name="fake-apiserver", daemon=True)
         self._thread.start()
         bound_host, bound_port = httpd.server_address[:2]
+        assert isinstance(bound_host, str)  # an AF_INET/AF_INET6 socket's name has a str host (typeshed allows bytes)
         self.state.url = f"http://{bound_host}:{bound_port}"
         log.info("apiserver.started", url=self.url, kubernetes=self.kubernetes_version,
                  served=self.served_versions)

@@ -12,6 +12,7 @@ by default (betas need --runtime-config); callers can serve any version the rele
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # Kubernetes releases this emulation knows (minor numbers of 1.x).
 SUPPORTED_RELEASES = (32, 33, 34, 35, 36, 37)
@@ -207,8 +208,8 @@ def version_priority(version: str) -> int:
 # ---------------------------------------------------------------- discovery documents
 
 
-def api_resource_list(gv: GroupVersion) -> dict:
-    resources: list[dict] = []
+def api_resource_list(gv: GroupVersion) -> dict[str, Any]:
+    resources: list[dict[str, Any]] = []
     for rt in gv.resources:
         entry = {
             "name": rt.resource,
@@ -232,14 +233,14 @@ def api_resource_list(gv: GroupVersion) -> dict:
             "resources": resources}
 
 
-def api_group(group: str, gvs: list[GroupVersion]) -> dict:
+def api_group(group: str, gvs: list[GroupVersion]) -> dict[str, Any]:
     versions = sorted((gv for gv in gvs if gv.group == group), key=lambda gv: version_priority(gv.version))
     entries = [{"groupVersion": gv.group_version, "version": gv.version} for gv in versions]
     return {"kind": "APIGroup", "apiVersion": "v1", "name": group, "versions": entries,
             "preferredVersion": entries[0]}
 
 
-def api_group_list(gvs: list[GroupVersion]) -> dict:
+def api_group_list(gvs: list[GroupVersion]) -> dict[str, Any]:
     groups: list[str] = []
     for gv in gvs:
         if gv.group and gv.group not in groups:

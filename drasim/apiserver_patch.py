@@ -40,7 +40,7 @@ def _pointer(path: str) -> list[str]:
     return [p.replace("~1", "/").replace("~0", "~") for p in path[1:].split("/")]
 
 
-def _index(container: list, token: str, allow_end: bool) -> int:
+def _index(container: list[Any], token: str, allow_end: bool) -> int:
     if token == "-" and allow_end:
         return len(container)
     if not token.isdigit() or (len(token) > 1 and token.startswith("0")):

@@ -8,6 +8,7 @@ store lock, so each verb is atomic like an etcd transaction.
 
 from __future__ import annotations
 
+import builtins
 import copy
 import json
 import random
@@ -364,7 +365,7 @@ class Registry:
 
     # ------------------------------------------------------------ watch
 
-    def watch_start(self, t: Target, selector: Selector, rv_param: str | None) -> tuple[list[dict[str, Any]], int]:
+    def watch_start(self, t: Target, selector: Selector, rv_param: str | None) -> tuple[builtins.list[dict[str, Any]], int]:
         """Initial events and the cursor to follow from. Raises ApiError 410 on a compacted rv."""
         with self.store.lock:
             if rv_param in (None, "", "0"):

@@ -116,7 +116,8 @@ def _validate_resource_slice(obj: dict[str, Any], release: int) -> list[Cause]:
     causes: list[Cause] = []
     if not spec.get("driver"):
         causes.append(_required("spec.driver"))
-    pool = spec.get("pool") if isinstance(spec.get("pool"), dict) else {}
+    raw_pool = spec.get("pool")
+    pool = raw_pool if isinstance(raw_pool, dict) else {}
     if not pool.get("name"):
         causes.append(_required("spec.pool.name"))
     if int(pool.get("resourceSliceCount") or 0) <= 0:

@@ -19,6 +19,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -31,6 +32,9 @@ from .apiserver import FakeApiServer
 from .backend import SimClock
 from .node import SimulatedNode
 from .scenario import PodSpec, Scenario, ScenarioError, bundled_scenarios, default_scenario, find_scenario, load_scenario
+
+if TYPE_CHECKING:
+    from exporter.agent import Agent
 
 log = structlog.get_logger(__name__)
 
@@ -129,7 +133,7 @@ def _mmss(t: float) -> str:
     return f"{int(t // 60):02d}:{int(t % 60):02d}"
 
 
-def summary_line(agent, cluster: DemoCluster, hold: float = DEMO_HOLD) -> str:
+def summary_line(agent: Agent, cluster: DemoCluster, hold: float = DEMO_HOLD) -> str:
     snap = agent.snapshot
     if snap is None:
         return "no data yet"
@@ -138,15 +142,15 @@ def summary_line(agent, cluster: DemoCluster, hold: float = DEMO_HOLD) -> str:
     # Conditions from the health engine itself, not the last cycle's snapshot: a fault's rule
     # is written on the event, before the next cycle shows the condition.
     rem = agent.src.remediation
-    rules = rem.rule_views() if rem else ()
+    rules = rem.report().rules if rem else ()
     health = agent.health.all_health()
     parents = {d.uuid: d.identity.parent_uuid for d in snap.devices if d.identity.is_partition}
     conds = []
     for d in snap.devices:
         h = health.get(d.uuid)
-        reasons = {c.reason for c in h.conditions} if h else set()
-        if not reasons:
-            continue
+        if h is None or h.worst is None:
+            continue  # no conditions
+        reasons = {c.reason for c in h.conditions}
         parent = health.get(parents.get(d.uuid, ""))
         if parent is not None and reasons <= {c.reason for c in parent.conditions}:
             continue  # a MIG instance inherits its GPU's conditions: shown once, on the GPU
@@ -203,6 +207,7 @@ def run_demo(cfg: Config, stop: threading.Event | None = None) -> int:
             cfg, health_policy=DEMO_POLICY, remediation_resync=max(1.0, cfg.interval),
             taint_hold_seconds=min(cfg.taint_hold_seconds, DEMO_HOLD),
         )
+        assert agent.server is not None  # start_agent serves by default: the server runs, or it raised
         gpus = len(scenario.gpus)
         migs = sum(len(g.mig) for g in scenario.gpus)
         print(

@@ -5,9 +5,12 @@ the kubelet's PodResources view. Shapes follow resource.k8s.io/v1 and the NVIDIA
 from __future__ import annotations
 
 import uuid as uuidlib
+from typing import Any
+
+from exporter.kubelet import api_pb2
 
 from . import kubelet as kb
-from .scenario import DRIVER, GpuSpec, MigSpec, PodSpec, Scenario
+from .scenario import DRIVER, ContainerSpec, GpuSpec, MigSpec, PodSpec, Scenario
 
 _NS = uuidlib.UUID("0e4d7f6a-9a51-4bfa-8d2e-3c5b9e0f1a22")
 
@@ -39,7 +42,7 @@ def device_uuid(sc: Scenario, ref: str) -> str:
     return next(m.uuid for m in g.mig if m.profile == parts[1] and str(m.placement_start) == parts[2])
 
 
-def _common_attrs(sc: Scenario, g: GpuSpec) -> dict:
+def _common_attrs(sc: Scenario, g: GpuSpec) -> dict[str, Any]:
     return {
         "productName": {"string": g.model[:64]},
         "brand": {"string": "Nvidia"},
@@ -50,7 +53,7 @@ def _common_attrs(sc: Scenario, g: GpuSpec) -> dict:
     }
 
 
-def _gpu_device(sc: Scenario, g: GpuSpec) -> dict:
+def _gpu_device(sc: Scenario, g: GpuSpec) -> dict[str, Any]:
     return {
         "name": g.device_name,
         "attributes": {"type": {"string": "gpu"}, "uuid": {"string": g.uuid}, **_common_attrs(sc, g)},
@@ -58,7 +61,7 @@ def _gpu_device(sc: Scenario, g: GpuSpec) -> dict:
     }
 
 
-def _mig_device(sc: Scenario, g: GpuSpec, m: MigSpec) -> dict:
+def _mig_device(sc: Scenario, g: GpuSpec, m: MigSpec) -> dict[str, Any]:
     return {
         "name": g.mig_device_name(m),
         "attributes": {
@@ -75,7 +78,7 @@ def _mig_device(sc: Scenario, g: GpuSpec, m: MigSpec) -> dict:
 AGENT_NAMESPACE = "dra-gpu-exporter"  # the agent's namespace when POD_NAMESPACE is unset
 
 
-def agent_namespace_objects(namespace: str = AGENT_NAMESPACE) -> list[dict]:
+def agent_namespace_objects(namespace: str = AGENT_NAMESPACE) -> list[dict[str, Any]]:
     """What the installer (the Helm chart) creates besides the DaemonSet and that the agent
     reads: its namespace and the cluster budget ConfigMap, with the chart's default capacity
     (nothing stated: each agent's ``--taint-budget-max`` applies)."""
@@ -90,7 +93,7 @@ def agent_namespace_objects(namespace: str = AGENT_NAMESPACE) -> list[dict]:
     ]
 
 
-def node(sc: Scenario) -> dict:
+def node(sc: Scenario) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Node",
@@ -100,8 +103,8 @@ def node(sc: Scenario) -> dict:
     }
 
 
-def resource_slice(sc: Scenario) -> dict:
-    devices = []
+def resource_slice(sc: Scenario) -> dict[str, Any]:
+    devices: list[dict[str, Any]] = []
     for g in sc.gpus:
         if g.mig:
             devices.extend(_mig_device(sc, g, m) for m in g.mig)
@@ -120,8 +123,8 @@ def resource_slice(sc: Scenario) -> dict:
     }
 
 
-def resource_claims(sc: Scenario, pods: list[PodSpec]) -> list[dict]:
-    out = []
+def resource_claims(sc: Scenario, pods: list[PodSpec]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
     for c in sc.claims:
         holders = [p for p in pods if p.namespace == c.namespace and any(c.name in ct.claims for ct in p.containers)]
         out.append(
@@ -145,14 +148,14 @@ def resource_claims(sc: Scenario, pods: list[PodSpec]) -> list[dict]:
     return out
 
 
-def pod_object(sc: Scenario, p: PodSpec) -> dict:
+def pod_object(sc: Scenario, p: PodSpec) -> dict[str, Any]:
     claims = sorted({cn for ct in p.containers for cn in ct.claims})
 
-    def container(ct) -> dict:
-        d: dict = {"name": ct.name, "image": "registry.example/sim:1"}
+    def container(ct: ContainerSpec) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": ct.name, "image": "registry.example/sim:1"}
         if ct.claims:
             d["resources"] = {"claims": [{"name": cn} for cn in ct.claims]}
-        limits = {}
+        limits: dict[str, str] = {}
         for res, _ in ct.device_plugin:
             limits[res] = str(int(limits.get(res, "0")) + 1)
         if limits:
@@ -161,7 +164,7 @@ def pod_object(sc: Scenario, p: PodSpec) -> dict:
             d["restartPolicy"] = "Always"
         return d
 
-    spec: dict = {
+    spec: dict[str, Any] = {
         "nodeName": sc.node,
         "containers": [container(ct) for ct in p.containers if not ct.restartable_init],
     }
@@ -179,7 +182,7 @@ def pod_object(sc: Scenario, p: PodSpec) -> dict:
     }
 
 
-def kubelet_pods(sc: Scenario, pods: list[PodSpec]) -> list:
+def kubelet_pods(sc: Scenario, pods: list[PodSpec]) -> list[api_pb2.PodResources]:
     """The PodResources answer for these pods: what the kubelet's List returns."""
     out = []
     for p in pods:

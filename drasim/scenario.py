@@ -8,6 +8,7 @@ place in the file ("gpus[2].mig[0].profile: ...") so a user can fix it in one go
 
 from __future__ import annotations
 
+import builtins
 import json
 import math
 import re
@@ -258,7 +259,7 @@ class _Obj:
             raise ScenarioError(f"{self.where}.{key}: expected a string, got {_show(v)}")
         return _text(v, f"{self.where}.{key}")
 
-    def num(self, key: str, default: float, lo: float = -math.inf, hi: float = math.inf) -> float:
+    def num(self, key: builtins.str, default: float, lo: float = -math.inf, hi: float = math.inf) -> float:
         v = self.get(key, default)
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ScenarioError(f"{self.where}.{key}: expected a number, got {_show(v)}")
@@ -267,19 +268,19 @@ class _Obj:
             raise ScenarioError(f"{self.where}.{key}: must be between {lo:g} and {hi:g}, got {_show(v)}")
         return f
 
-    def int(self, key: str, default: int) -> int:
+    def int(self, key: builtins.str, default: int) -> int:
         v = self.get(key, default)
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= _MAX_INT:
             raise ScenarioError(f"{self.where}.{key}: expected a whole number >= 0 (at most {_MAX_INT}), got {_show(v)}")
         return v
 
-    def bool(self, key: str, default: bool) -> bool:
+    def bool(self, key: builtins.str, default: bool) -> bool:
         v = self.get(key, default)
         if not isinstance(v, bool):
             raise ScenarioError(f"{self.where}.{key}: expected true or false, got {_show(v)}")
         return v
 
-    def list(self, key: str) -> list:
+    def list(self, key: builtins.str) -> builtins.list[Any]:
         v = self.get(key, [])
         if v is None:
             return []

@@ -26,7 +26,7 @@ class Backoff:
         return self._failures
 
     def next_delay(self, retry_after: float | None = None) -> float:
-        base = min(self.cap, self.initial * (2 ** min(self._failures, 30)))
+        base = min(self.cap, self.initial * (2.0 ** min(self._failures, 30)))  # 2.0: int ** int is typed Any
         self._failures += 1
         delay = max(self.min_delay, base * (0.5 + 0.5 * self._rng()))
         if retry_after is not None:

@@ -18,7 +18,7 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from . import __version__
 
@@ -95,7 +95,7 @@ class Config:
     # demo only
     scenario: str | None = None
     time_scale: float = 1.0
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def listen(self) -> str:
@@ -380,7 +380,7 @@ def parse_exclude_metrics(value: str) -> frozenset[str]:
 
 def _resolve(ns: argparse.Namespace, pick: Callable[..., str | None]) -> Config:
 
-    kw: dict = {}
+    kw: dict[str, Any] = {}
     if (v := pick("listen")) is not None:
         kw["listen_host"], kw["listen_port"] = parse_listen(v)
     if (v := pick("interval")) is not None:

@@ -44,7 +44,8 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level, logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
+        # structlog annotates TextIO but only print()s to the file (and keys a lock by it)
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
     # Library loggers (grpc, kubernetes' urllib3) go through stdlib logging: keep them quiet

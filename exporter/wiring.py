@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -15,6 +16,10 @@ from .devices.select import make_backend
 from .health.engine import HealthPolicy
 from .kubelet.client import PodResourcesClient
 from .model.processes import process_memory
+
+if TYPE_CHECKING:  # the Kubernetes parts are imported only when an API is configured
+    from .k8s.connection import ApiClient
+    from .remediation.engine import Remediator
 
 log = structlog.get_logger(__name__)
 
@@ -60,7 +65,7 @@ def agent_namespace() -> str:
     return os.environ.get("POD_NAMESPACE", "").strip() or "dra-gpu-exporter"
 
 
-def build_remediator(cfg: Config, api, agent: Agent, clock: Callable[[], float], resync: float):
+def build_remediator(cfg: Config, api: ApiClient, agent: Agent, clock: Callable[[], float], resync: float) -> Remediator:
     """The remediator with its cluster parts: the node's rules and kill-switch label watched, the
     cluster budget object, the node's state ConfigMap."""
     # (imported here, like the other Kubernetes parts: only an agent with an API pays for them)
@@ -70,7 +75,7 @@ def build_remediator(cfg: Config, api, agent: Agent, clock: Callable[[], float],
     from .remediation.state import NodeState
 
     ns = agent_namespace()
-    kw: dict = {"node_state": NodeState(api, ns, cfg.node_name)}
+    kw: dict[str, Any] = {"node_state": NodeState(api, ns, cfg.node_name)}
     # The budget object the installer created in the agent's namespace: read and written only
     # when a fault domain is raised to NoExecute or lowered, with optimistic concurrency.
     kw["budget"] = ClusterBudget(api, ns, taint_budget_max=cfg.taint_budget_max)

@@ -38,6 +38,7 @@ import threading
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import structlog
 
@@ -75,14 +76,14 @@ class _DeviceState:
     levels: dict[str, Condition] = field(default_factory=dict)
     level_clean_since: dict[str, float] = field(default_factory=dict)
     events: dict[str, _EventCond] = field(default_factory=dict)
-    history: dict[str, deque] = field(default_factory=dict)  # reason -> latest times, capped
-    quiet: Counter = field(default_factory=Counter)  # repeats not logged yet, by reason
+    history: dict[str, deque[float]] = field(default_factory=dict)  # reason -> latest times, capped
+    quiet: Counter[str] = field(default_factory=Counter)  # repeats not logged yet, by reason
     quiet_since: float | None = None  # when the first of them came
     last_ecc_unc: int | None = None
     last_ok: bool | None = None
     last_error: ReadError | None = None  # why the previous reading failed
     was_healthy: bool = True
-    failures: deque = field(default_factory=deque)  # times the device went unhealthy
+    failures: deque[float] = field(default_factory=deque)  # times the device went unhealthy
     sticky: bool = False
     sticky_note: str = ""  # why, when not from this process's failure history (see mark_sticky)
     sticky_instance: bool = False  # marked sticky as an instance-scoped fact (stays on the instance)
@@ -201,7 +202,7 @@ class HealthEngine:
             log.info("device_events_repeated", **summary)
         self._notify([uuid])
 
-    def _take_summary(self, uuid: str, st: _DeviceState, now: float) -> dict | None:
+    def _take_summary(self, uuid: str, st: _DeviceState, now: float) -> dict[str, Any] | None:
         """The device's summary line of repeated events, when one is due (and forget them)."""
         if not st.quiet or st.quiet_since is None or now - st.quiet_since < self.repeat_log_interval:
             return None
@@ -214,7 +215,7 @@ class HealthEngine:
         """Called once per cycle with the cycle's readings (full GPUs and instances)."""
         now = self.clock()
         changed: list[str] = []
-        summaries: list[dict] = []
+        summaries: list[dict[str, Any]] = []
         with self._lock:
             for uuid, st in self._state.items():  # repeats that have been quiet long enough to tell
                 if st.quiet:
@@ -227,9 +228,9 @@ class HealthEngine:
                     # event conditions, which age with time (a recovery counts for stickiness).
                     ist = self._state.get(ident.uuid)
                     if ist is not None:
-                        before = ist.was_healthy
+                        was_healthy = ist.was_healthy
                         self._update_transitions(ident.uuid, ist, now)
-                        if ist.was_healthy != before:
+                        if ist.was_healthy != was_healthy:
                             changed.append(ident.uuid)
                     continue
                 r = readings.get(ident.uuid)
@@ -265,9 +266,10 @@ class HealthEngine:
                 # A hung or erroring call that returns later is no such evidence: it must not
                 # release a fatal condition that waits for a reset.
                 self._reset_gpu(uuid, now)
-            tier = _recovery_tier(int(r.recovery_action)) if r.recovery_action is not None else None
-            if tier is not None:
-                levels[f"recovery_action_{_ra_name(int(r.recovery_action))}"] = (tier, f"driver asks for {_ra_name(int(r.recovery_action))}")
+            ra = r.recovery_action
+            tier = _recovery_tier(int(ra)) if ra is not None else None
+            if ra is not None and tier is not None:
+                levels[f"recovery_action_{_ra_name(int(ra))}"] = (tier, f"driver asks for {_ra_name(int(ra))}")
             if r.row_remap_failure:
                 levels["row_remap_failure"] = (Tier.FATAL, "row remapping failed: no spare rows")
             if r.row_remap_pending:

@@ -87,7 +87,7 @@ class ApiError(Exception):
     reason: str
     message: str
     retry_after: float | None = None  # seconds, from a Retry-After header (429, 503)
-    body: dict | None = None  # the decoded Status object, when there was one
+    body: dict[str, Any] | None = None  # the decoded Status object, when there was one
 
     def __post_init__(self) -> None:
         super().__init__(str(self))
@@ -172,7 +172,8 @@ def connect(kubeconfig: str | None) -> ApiClient | None:
         source = kubeconfig
     elif os.environ.get("KUBERNETES_SERVICE_HOST") and os.path.exists(_IN_CLUSTER_TOKEN):
         try:
-            k8s_config.load_incluster_config(client_configuration=cfg)
+            # kubernetes ships py.typed, but its config loaders have no annotations
+            k8s_config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
         except Exception as exc:
             raise KubeconfigError(f"in-cluster configuration unusable: {_one_line(exc)}") from exc
         source = "in-cluster"
@@ -202,7 +203,8 @@ def _load_kubeconfig(path: str, cfg: k8s_client.Configuration, what: str) -> Non
     if not os.path.exists(path):
         raise KubeconfigError(f"{what} {path}: file does not exist")
     try:
-        k8s_config.load_kube_config(config_file=path, client_configuration=cfg, persist_config=False)
+        # kubernetes ships py.typed, but its config loaders have no annotations
+        k8s_config.load_kube_config(config_file=path, client_configuration=cfg, persist_config=False)  # type: ignore[no-untyped-call]
     except Exception as exc:  # ConfigException, YAML errors, bad base64 ... all mean "unusable"
         raise KubeconfigError(f"{what} {path}: {_one_line(exc)}") from exc
     if not cfg.host:
@@ -231,7 +233,7 @@ def _retry_after(headers: Mapping[str, str] | None) -> float | None:
 
 
 def _error_from_response(status: int, http_reason: str, data: bytes, headers: Any) -> ApiError:
-    body: dict | None = None
+    body: dict[str, Any] | None = None
     try:
         decoded = json.loads(data.decode("utf-8", errors="replace")) if data else None
         body = decoded if isinstance(decoded, dict) else None
@@ -292,7 +294,7 @@ def request_json(
     content_type: str = JSON,
     timeout: Timeout = DEFAULT_TIMEOUT,
     max_bytes: int | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """One API request with a JSON (or patch) body; returns the decoded JSON object.
 
     ``content_type`` selects the patch flavour for PATCH (``MERGE_PATCH``, ``JSON_PATCH`` with a
@@ -315,7 +317,7 @@ def request_json(
     return decoded
 
 
-def get_json(client: ApiClient, path: str, query: Query = None, timeout: Timeout = DEFAULT_TIMEOUT, max_bytes: int | None = None) -> dict:
+def get_json(client: ApiClient, path: str, query: Query = None, timeout: Timeout = DEFAULT_TIMEOUT, max_bytes: int | None = None) -> dict[str, Any]:
     """GET ``path`` and return the decoded JSON object (bounded like :func:`request_json`)."""
     return request_json(client, "GET", path, query=query, timeout=timeout, max_bytes=max_bytes)
 
@@ -376,7 +378,7 @@ class WatchStream:
                 return
             yield data
 
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Iterator[dict[str, Any]]:
         buf = bytearray()
         try:
             for chunk in self._chunks():
@@ -406,7 +408,7 @@ class WatchStream:
             self.close()
 
 
-def _decode_event(line: bytes) -> dict:
+def _decode_event(line: bytes) -> dict[str, Any]:
     try:
         event = json.loads(line)
     except ValueError:

@@ -26,8 +26,8 @@ def micro_time(t: float) -> str:
 
 
 def build_event(
-    *, regarding: dict, reason: str, note: str, action: str, type_: str, node: str, now: float, namespace: str = "default"
-) -> dict:
+    *, regarding: dict[str, Any], reason: str, note: str, action: str, type_: str, node: str, now: float, namespace: str = "default"
+) -> dict[str, Any]:
     name = f"{regarding.get('name', 'object')}.{time.time_ns():x}"[:253]
     return {
         "apiVersion": "events.k8s.io/v1",
@@ -52,7 +52,7 @@ class EventRecorder:
         self.failed = 0
         self._lock = threading.Lock()
 
-    def record(self, regarding: dict, reason: str, note: str, action: str, warning: bool = False) -> dict | None:
+    def record(self, regarding: dict[str, Any], reason: str, note: str, action: str, warning: bool = False) -> dict[str, Any] | None:
         ev = build_event(regarding=regarding, reason=reason, note=note, action=action, type_="Warning" if warning else "Normal", node=self.node, now=time.time())
         try:
             out = request_json(self.client, "POST", "/apis/events.k8s.io/v1/namespaces/default/events", body=ev, timeout=(3.0, 5.0))
@@ -66,5 +66,5 @@ class EventRecorder:
         return out
 
 
-def node_ref(node: str) -> dict:
+def node_ref(node: str) -> dict[str, str]:
     return {"apiVersion": "v1", "kind": "Node", "name": node}

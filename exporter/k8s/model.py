@@ -7,6 +7,7 @@ nested under ``basic``); parsers turn each into these types so nothing downstrea
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 AttributeValue = str | int | bool
 
@@ -46,7 +47,7 @@ class AllocatedDevice:
     share_id: str = ""
     admin_access: bool = False
     # status.devices[].data for this device, when the driver published any (may carry a uuid)
-    data: dict = field(default_factory=dict, hash=False, compare=False)
+    data: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ class ParsedSlice:
 # --------------------------------------------------------------------------- small readers
 
 
-def _dict(value: Any, where: str, *, required: bool = True) -> dict:
+def _dict(value: Any, where: str, *, required: bool = True) -> dict[str, Any]:
     if value is None and not required:
         return {}
     if not isinstance(value, dict):
@@ -80,7 +80,7 @@ def _dict(value: Any, where: str, *, required: bool = True) -> dict:
     return value
 
 
-def _list(value: Any, where: str) -> list:
+def _list(value: Any, where: str) -> list[Any]:
     # a list field that is absent or null is simply empty (omitempty in the Go types)
     if value is None:
         return []
@@ -127,7 +127,7 @@ def _only_parse_errors(kind: str, parse: Callable[..., T], *args: Any) -> T:
         raise ParseError(f"{kind}: unexpected {type(exc).__name__}: {exc}") from exc
 
 
-def _namespaced_meta(obj: Any, kind: str) -> tuple[dict, str, str, str, str]:
+def _namespaced_meta(obj: Any, kind: str) -> tuple[dict[str, Any], str, str, str, str]:
     """(object, name, namespace, uid, where) of a namespaced object; ``where`` prefixes
     messages about it, e.g. "pod ml/trainer"."""
     obj = _dict(obj, kind)
@@ -285,7 +285,7 @@ def _parse_claim(obj: Any) -> ClaimInfo:
     obj, name, namespace, uid, where = _namespaced_meta(obj, "resourceclaim")
     status = _dict(obj.get("status"), f"{where}: status", required=False)
 
-    data_by_key: dict[tuple[str, str, str, str], dict] = {}
+    data_by_key: dict[tuple[str, str, str, str], dict[str, Any]] = {}
     for i, st in enumerate(_list(status.get("devices"), f"{where}: status.devices")):
         swhere = f"{where}: status.devices[{i}]"
         st = _dict(st, swhere)

@@ -163,15 +163,16 @@ def _as_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _data_value(data: dict, name: str) -> str:
+def _data_value(data: dict[str, Any], name: str) -> str:
     """A value from claim status data, either ``{"uuid": "x"}`` or ``{"uuid": {"string": "x"}}``."""
     value = data.get(name) if isinstance(data, dict) else None
     if isinstance(value, str):
         return value
     if isinstance(value, dict):
         for field_name in ("string", "version"):
-            if isinstance(value.get(field_name), str):
-                return value[field_name]
+            field_value = value.get(field_name)
+            if isinstance(field_value, str):
+                return field_value
     return ""
 
 

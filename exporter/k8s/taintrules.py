@@ -70,7 +70,9 @@ class TaintRuleClient:
     def api_version(self) -> str:
         return f"{RESOURCE_GROUP}/{self.served().version}"
 
-    def body(self, name: str, driver: str, pool: str, device: str, key: str, value: str, effect: str, labels: dict, annotations: dict) -> dict:
+    def body(
+        self, name: str, driver: str, pool: str, device: str, key: str, value: str, effect: str, labels: dict[str, str], annotations: dict[str, str]
+    ) -> dict[str, Any]:
         if not (driver and pool and device):
             # An empty selector matches every device in the cluster (kubernetes#141422).
             raise ValueError("refusing to build a DeviceTaintRule without driver, pool and device")
@@ -84,9 +86,9 @@ class TaintRuleClient:
             },
         }
 
-    def list_owned(self, node: str | None = None) -> list[dict]:
+    def list_owned(self, node: str | None = None) -> list[dict[str, Any]]:
         sel = f"{MANAGED_BY}={MANAGED_BY_VALUE}" + (f",{NODE_LABEL}={node}" if node else "")
-        items: list[dict] = []
+        items: list[dict[str, Any]] = []
         cont = None
         while True:
             q = {"labelSelector": sel, "limit": 500}
@@ -98,7 +100,7 @@ class TaintRuleClient:
             if not cont:
                 return items
 
-    def get(self, name: str) -> dict | None:
+    def get(self, name: str) -> dict[str, Any] | None:
         try:
             return get_json(self.client, f"{self._base()}/{name}", timeout=TIMEOUT)
         except ApiError as e:
@@ -106,14 +108,14 @@ class TaintRuleClient:
                 return None
             raise
 
-    def create(self, body: dict) -> dict:
+    def create(self, body: dict[str, Any]) -> dict[str, Any]:
         return request_json(self.client, "POST", self._base(), body=body, timeout=TIMEOUT)
 
-    def patch(self, name: str, patch: dict) -> dict:
+    def patch(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         return request_json(self.client, "PATCH", f"{self._base()}/{name}", body=patch, content_type=MERGE_PATCH, timeout=TIMEOUT)
 
     def delete(self, name: str, uid: str | None = None) -> None:
-        body = {"apiVersion": "v1", "kind": "DeleteOptions"}
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}
         if uid:
             body["preconditions"] = {"uid": uid}  # never delete a rule someone recreated meanwhile
         try:

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import structlog
 
@@ -116,7 +116,10 @@ class Reflector(Generic[T]):
         meta = obj.get("metadata") if isinstance(obj, dict) else None
         if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
             return None
-        return obj  # type: ignore[return-value]
+        # The default hook keeps the raw object: only the Reflector[dict[str, Any]] uses (NodeWatch,
+        # OwnedRuleWatch) rely on it, and ``obj`` was just checked to be a dict; parsing
+        # subclasses (SliceWatcher) override it.
+        return cast(T, obj)
 
     def _keep(self, item: T) -> bool:
         return True
@@ -275,7 +278,8 @@ class Reflector(Generic[T]):
                     items, malformed, cont, restarted = {}, 0, "", True
                     continue
                 raise
-            meta = page.get("metadata") if isinstance(page.get("metadata"), dict) else {}
+            page_meta = page.get("metadata")
+            meta = page_meta if isinstance(page_meta, dict) else {}
             page_items = page.get("items")
             for obj in page_items if isinstance(page_items, list) else []:
                 parsed = self._parse_logged(obj, version)
@@ -347,7 +351,7 @@ class Reflector(Generic[T]):
             # a server that closes watches at once would otherwise make this a busy loop
             self._sleep(self._backoff.initial)
 
-    def _apply(self, event: dict, version: str) -> None:
+    def _apply(self, event: dict[str, Any], version: str) -> None:
         etype = event.get("type")
         obj = event.get("object")
         if etype == "ERROR":
@@ -414,7 +418,7 @@ def _name_of(obj: Any) -> str:
     return name if isinstance(name, str) else ""
 
 
-class NodeWatch(Reflector[dict]):
+class NodeWatch(Reflector[dict[str, Any]]):
     """This node's Node object (fieldSelector ``metadata.name=<node>``): its labels carry the
     remediation kill switch. One watch instead of a GET every resync."""
 
@@ -433,7 +437,7 @@ class NodeWatch(Reflector[dict]):
         return dict(labels) if isinstance(labels, dict) else {}
 
 
-class OwnedRuleWatch(Reflector[dict]):
+class OwnedRuleWatch(Reflector[dict[str, Any]]):
     """The DeviceTaintRules this agent owns (labelSelector managed-by and
     ``dra-gpu-exporter.io/node=<node>``), in the served resource.k8s.io ``version``. One watch
     instead of a node-scoped list every resync; an admin's deletion is seen at once."""
@@ -453,5 +457,5 @@ class OwnedRuleWatch(Reflector[dict]):
             **kw,
         )
 
-    def objects(self) -> dict[str, dict]:
+    def objects(self) -> dict[str, dict[str, Any]]:
         return self.items()

@@ -35,6 +35,7 @@ import structlog
 
 from ..backoff import Backoff
 from ..config import Config, TaintMode
+from ..devices.model import DeviceIdentity
 from ..health.engine import HealthEngine
 from ..health.model import DeviceHealth, Tier
 from ..k8s.connection import ApiError, get_json
@@ -115,7 +116,7 @@ class Remediator:
         self._pending: dict[str, list[Outcome]] = {}  # a domain's writes not yet told (pass failed midway)
         self._plugin_notified: dict[str, str] = {}
         self._index = DeviceIndex(())
-        self._identities: tuple = ()
+        self._identities: tuple[DeviceIdentity, ...] = ()
         self._next_due: float | None = None  # clock time a settling domain's raise is due
         self._wake = threading.Condition()
         self._dirty = True
@@ -208,7 +209,7 @@ class Remediator:
                 log.exception("remediation_pass_crashed")
 
     # -- state from the cluster ----------------------------------------------------------------
-    def _owned_objects(self) -> list[dict] | None:
+    def _owned_objects(self) -> list[dict[str, Any]] | None:
         """This node's rules: from the watch (no request) or, without one, a node-scoped list
         every ``resync`` seconds. None: nothing new to look at."""
         if self.owned_rules is not None:
@@ -223,7 +224,8 @@ class Remediator:
         if self.node_watch is not None:
             if not getattr(self.node_watch, "synced", False):
                 return self._kill_switch
-            return (self.node_watch.labels() or {}).get(names.KILL_SWITCH_LABEL, "").lower() == "disabled"
+            watched: str = (self.node_watch.labels() or {}).get(names.KILL_SWITCH_LABEL, "")  # label values are strings
+            return watched.lower() == "disabled"
         if time.monotonic() - self._last_resync < self.resync:
             return self._kill_switch
         try:
@@ -232,7 +234,8 @@ class Remediator:
             if e.status == 404:
                 return False
             raise
-        return ((node.get("metadata") or {}).get("labels") or {}).get(names.KILL_SWITCH_LABEL, "").lower() == "disabled"
+        switch: str = ((node.get("metadata") or {}).get("labels") or {}).get(names.KILL_SWITCH_LABEL, "")  # label values are strings
+        return switch.lower() == "disabled"
 
     def _resync(self) -> None:
         if self.mode == TaintMode.DRY_RUN:
@@ -410,7 +413,7 @@ class Remediator:
         if unit in self._raised or self.writer.has_noexecute(keys):
             self._raised.add(unit)
             return Safety(**base), True
-        if settling(since, now, self.cfg.taint_settle_seconds, self.cfg.node_fault_window):
+        if since is not None and settling(since, now, self.cfg.taint_settle_seconds, self.cfg.node_fault_window):
             due = settle_due(since, self.cfg.taint_settle_seconds, self.cfg.node_fault_window)
             self._next_due = due if self._next_due is None else min(self._next_due, due)
             return Safety(settling=True, **base), False
@@ -443,7 +446,17 @@ class Remediator:
     def _holder(self, unit: str) -> str:
         return f"{self.node}.{unit}"
 
-    def _reconcile_domain(self, dom, health, fatal_since, nodewide, supports_none, now, covered, outcomes) -> None:
+    def _reconcile_domain(
+        self,
+        dom: domains.FaultDomain,
+        health: dict[str, DeviceHealth],
+        fatal_since: dict[str, float],
+        nodewide: set[str],
+        supports_none: bool,
+        now: float,
+        covered: set[str],
+        outcomes: list[Outcome],
+    ) -> None:
         gpu_fatal = dom.gpu in fatal_since
         # every device's effective health: its own conditions plus its GPU's GPU-wide ones
         hs = {t.key: effective_health(t.uuid, t.gpu if t.gpu != t.uuid else "", health) for t in dom.targets}
@@ -610,7 +623,8 @@ class Remediator:
             self._plugin_notified[ident.uuid] = state
             if prev == state or (prev is None and not state):
                 continue  # no change, or healthy from the start: nothing to tell
-            note = f"GPU {ident.uuid} ({ident.pci_bus_id}) is {state or 'healthy again'}" + (f": {h.conditions[0].reason}" if state else "") + "; not DRA-managed, so no DeviceTaintRule can select it"
+            why = f": {h.conditions[0].reason}" if state and h is not None else ""
+            note = f"GPU {ident.uuid} ({ident.pci_bus_id}) is {state or 'healthy again'}{why}; not DRA-managed, so no DeviceTaintRule can select it"
             self.writer.node_event("GPUUnhealthy" if state else "GPUHealthy", note, "Observe", warning=bool(state))
 
     # -- outputs -------------------------------------------------------------------------------

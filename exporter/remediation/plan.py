@@ -231,7 +231,8 @@ def decide(
 
     current = EFFECT_RANK.get(rule.effect, 0)
     target_rank = EFFECT_RANK[limited] if limited is not None else -1
-    if target_rank > current or (target_rank == current and limited is not None and tier is not None and tier.value != rule.tier):
+    # ranks are >= 0, so a higher target always has an effect (limited is None ranks -1)
+    if limited is not None and (target_rank > current or (target_rank == current and tier is not None and tier.value != rule.tier)):
         if safety.kill_switch:
             return Decision(Action.KEEP, suppressed=Suppression.KILL_SWITCH)
         return Decision(Action.UPDATE, effect=limited, tier=tier.value if tier else rule.tier, reason=reason, evidence=evidence, sticky=sticky, suppressed=suppressed)
@@ -256,6 +257,7 @@ def decide(
         return Decision(Action.KEEP, calm_since=calm)
     if safety.kill_switch:
         return Decision(Action.KEEP, calm_since=calm, suppressed=Suppression.KILL_SWITCH)
+    step: str | None
     if rule.effect == Effect.NO_EXECUTE.value and target_rank < EFFECT_RANK[Effect.NO_SCHEDULE.value]:
         step = Effect.NO_SCHEDULE.value
     else:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import structlog
 
@@ -37,6 +37,13 @@ class AdminDeletion:
     carried: bool = False  # read back from the ConfigMap: noticed by an earlier process
 
 
+class _StoredDeletion(TypedDict):
+    """One entry of the ConfigMap's admin-deleted JSON."""
+
+    at: float
+    reason: str
+
+
 def parse_time(value: str) -> float | None:
     try:
         return dt.datetime.strptime(value, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.timezone.utc).timestamp()
@@ -44,7 +51,7 @@ def parse_time(value: str) -> float | None:
         return None
 
 
-def rule_from_object(obj: dict) -> OwnedRule | None:
+def rule_from_object(obj: dict[str, Any]) -> OwnedRule | None:
     try:
         meta = obj["metadata"]
         sel = obj["spec"]["deviceSelector"]
@@ -103,7 +110,7 @@ class NodeState:
         self.node = node
         self._rv: str | None = None
         self._exists: bool | None = None
-        self._written: dict[str, float] | None = None
+        self._written: dict[str, _StoredDeletion] | None = None
 
     def _path(self, name: str = "") -> str:
         return f"/api/v1/namespaces/{self.namespace}/configmaps" + (f"/{name}" if name else "")
@@ -121,12 +128,14 @@ class NodeState:
         self._rv = (obj.get("metadata") or {}).get("resourceVersion")
         raw = (obj.get("data") or {}).get(ADMIN_DELETED_KEY, "{}")
         try:
-            data = {str(k): {"at": float(v["at"]), "reason": str(v.get("reason", ""))} for k, v in json.loads(raw).items()}
+            data: dict[str, _StoredDeletion] = {
+                str(k): {"at": float(v["at"]), "reason": str(v.get("reason", ""))} for k, v in json.loads(raw).items()
+            }
         except (ValueError, TypeError, AttributeError, KeyError):
             log.warning("node_state_unreadable", configmap=self.name)
             data = {}
         self._written = data
-        out = {}
+        out: dict[tuple[str, str, str], AdminDeletion] = {}
         for k, v in data.items():
             parts = k.split("/", 2)
             if len(parts) == 3:
@@ -135,10 +144,10 @@ class NodeState:
 
     def save(self, deleted: dict[tuple[str, str, str], AdminDeletion], _tries: int = 3) -> bool:
         """Write the set if it changed. False when nothing had to be written."""
-        data = {"/".join(k): {"at": round(v.at, 3), "reason": v.reason} for k, v in sorted(deleted.items())}
+        data: dict[str, _StoredDeletion] = {"/".join(k): {"at": round(v.at, 3), "reason": v.reason} for k, v in sorted(deleted.items())}
         if data == self._written:
             return False
-        body = {
+        body: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "ConfigMap",
             "metadata": {

@@ -69,7 +69,7 @@ class RuleWriter:
         with self.lock:
             return self.owned.get(key)
 
-    def _labels(self, tier: str, sticky: bool) -> dict:
+    def _labels(self, tier: str, sticky: bool) -> dict[str, str]:
         labels = {names.MANAGED_BY: names.MANAGED_BY_VALUE, names.NODE_LABEL: self.node, names.TIER_LABEL: tier}
         if sticky:
             # Only ever added by the agent; taking it off (or deleting the rule) is the person's
@@ -77,7 +77,7 @@ class RuleWriter:
             labels[names.STICKY_LABEL] = "true"
         return labels
 
-    def _annotations(self, t: Target, d: Decision, first_seen: float | None, scope: str) -> dict:
+    def _annotations(self, t: Target, d: Decision, first_seen: float | None, scope: str) -> dict[str, str]:
         return {
             names.UUID_ANNOTATION: t.uuid,
             names.GPU_ANNOTATION: t.domain,
@@ -94,7 +94,7 @@ class RuleWriter:
         times = [c.since for c in h.conditions if c.tier.value == tier]
         return min(times) if times else None
 
-    def ref(self, name: str) -> dict:
+    def ref(self, name: str) -> dict[str, str]:
         return {"apiVersion": self.rules.api_version, "kind": "DeviceTaintRule", "name": name}
 
     # -- writes ------------------------------------------------------------------------------
@@ -105,6 +105,9 @@ class RuleWriter:
             return None
         if d.action == Action.CREATE:
             return self.create(t, h, d, now, scope)
+        if rule is None:
+            # plan.decide updates, refreshes and deletes only a rule it was given
+            raise ValueError(f"{d.action!r} without an existing rule")
         if d.action == Action.UPDATE:
             return self.update(t, rule, d, now)
         if d.action == Action.REFRESH:
@@ -140,7 +143,7 @@ class RuleWriter:
                 raise
             existing = self.rules.get(name)
             adopted = rule_from_object(existing) if existing else None
-            if adopted is None or (existing.get("metadata", {}).get("labels") or {}).get(names.MANAGED_BY) != names.MANAGED_BY_VALUE:
+            if existing is None or adopted is None or (existing.get("metadata", {}).get("labels") or {}).get(names.MANAGED_BY) != names.MANAGED_BY_VALUE:
                 raise NameTaken(name) from None
             with self.lock:
                 self.owned[t.key] = adopted
