@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from .apiserver_catalog import ResourceType
@@ -33,7 +33,7 @@ class Cause:
 
 
 def now_rfc3339(micro: bool = False) -> str:
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     if micro:
         return now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     return now.strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -8,6 +8,7 @@ does not blank the dashboards.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -27,7 +28,7 @@ from .kubelet.model import AllocationSource, PodResourcesSnapshot
 from .metrics.render import Renderer, RenderState
 from .metrics.server import MetricsServer
 from .metrics.webconfig import load_web_config
-from .model.join import JoinInputs, JoinMemo, join
+from .model.join import DeviceKey, JoinInputs, JoinMemo, join
 from .model.lost import lost_devices
 from .model.snapshot import Snapshot
 from .remediation.report import RemediationReport
@@ -104,7 +105,7 @@ class Sources:
     claims: ClaimSource | None = None
     pods: PodSource | None = None
     remediation: RemediationOutput | None = None
-    processes: Callable[[Snapshot], dict] | None = None  # per-process attribution
+    processes: Callable[[Snapshot], dict[tuple[str, str, str], int]] | None = None  # per-process attribution
 
 
 class Agent:
@@ -280,7 +281,7 @@ class Agent:
         # deadline per cycle, and only until its lane is known to be stuck (then it fails fast).
         for ident in idents:
             try:
-                readings[ident.uuid] = self.runner.call(ident.uuid, lambda i=ident: backend.read(i), self.cfg.call_timeout)
+                readings[ident.uuid] = self.runner.call(ident.uuid, functools.partial(backend.read, ident), self.cfg.call_timeout)
             except CallHung as e:
                 readings[ident.uuid] = self._missed_deadline(ident.uuid, e)
             except Exception as e:  # a backend bug on one device must not cost the others
@@ -313,8 +314,8 @@ class Agent:
             why = f"stuck for {e.running_for:.1f}s, driver_hung after {hung_after:g}s"
         return DeviceReading.failed(uuid, ReadError.LATE, f"{e}: {why}")
 
-    def _list_kubelet(self) -> PodResourcesSnapshot:
-        snap = self.src.kubelet.list()
+    def _list_kubelet(self, kubelet: KubeletSource) -> PodResourcesSnapshot:
+        snap = kubelet.list()
         self._pods_snapshot, self._pods_at = snap, time.monotonic()
         return snap
 
@@ -327,8 +328,9 @@ class Agent:
         readings = self._collect("devices", self._read_devices)
         if readings is not None:
             self._readings = readings
-        if self.src.kubelet is not None:
-            self._collect("kubelet", self._list_kubelet)
+        kubelet = self.src.kubelet
+        if kubelet is not None:
+            self._collect("kubelet", lambda: self._list_kubelet(kubelet))
             if self._pods_at is not None and time.monotonic() - self._pods_at > self.KUBELET_GRACE:
                 if self._pods_snapshot is not None:
                     log.warning("kubelet_data_expired", grace_seconds=self.KUBELET_GRACE)
@@ -336,15 +338,18 @@ class Agent:
         allocations = self._pods_snapshot.allocations if self._pods_snapshot else ()
 
         slices = None
-        if self.src.slices is not None:
-            slices = self._collect("slices", self._slice_devices)
+        watcher = self.src.slices
+        if watcher is not None:
+            slices = self._collect("slices", lambda: self._slice_devices(watcher))
         claims: dict[tuple[str, str], ClaimInfo] = {}
-        if self.src.claims is not None:
+        cache = self.src.claims
+        if cache is not None:
             keys = sorted({(a.claim_namespace, a.claim_name) for a in allocations if a.source == AllocationSource.DRA and a.claim_name})
-            claims = self._collect("claims", lambda: self._claims(keys)) or {}
+            claims = self._collect("claims", lambda: self._claims(cache, keys)) or {}
         pods: list[PodInfo] = []
-        if self.src.pods is not None:
-            pods = self._collect("pods", self._list_pods) or []
+        pod_source = self.src.pods
+        if pod_source is not None:
+            pods = self._collect("pods", lambda: self._list_pods(pod_source)) or []
 
         identities, all_readings = self._with_lost(slices, enumerated=readings is not None)
         uuids = [i.uuid for i in identities]
@@ -377,15 +382,16 @@ class Agent:
             self.status["remediation"] = CollectorStatus(
                 success=rep.healthy, error=rep.problem, last_success=time.monotonic() if rep.healthy else None
             )
-        process_memory = {}
-        if self.src.processes is not None:
-            process_memory = self._collect("processes", lambda: self.src.processes(snap)) or {}
+        process_memory: dict[tuple[str, str, str], int] = {}
+        per_process = self.src.processes
+        if per_process is not None:
+            process_memory = self._collect("processes", lambda: per_process(snap)) or {}
         self.cycles += 1
         self.status["cycle"] = CollectorStatus(duration=time.perf_counter() - t0, success=True, last_success=time.monotonic())
         self.publish(process_memory)
         return snap
 
-    def _with_lost(self, slices: dict | None, enumerated: bool) -> tuple[list[DeviceIdentity], dict[str, DeviceReading]]:
+    def _with_lost(self, slices: dict[DeviceKey, SliceDevice] | None, enumerated: bool) -> tuple[list[DeviceIdentity], dict[str, DeviceReading]]:
         """The enumerated devices plus the lost ones the slices publish. Re-decided only in a
         cycle whose enumeration succeeded and whose slices are listed; otherwise the last
         decision stands (a failed enumeration tells nothing about single GPUs)."""
@@ -407,8 +413,7 @@ class Agent:
     def _api_deadline(self) -> float:
         return max(self.cfg.call_timeout, 0.5)
 
-    def _claims(self, keys: list[tuple[str, str]]) -> dict[tuple[str, str], ClaimInfo]:
-        cache = self.src.claims
+    def _claims(self, cache: ClaimSource, keys: list[tuple[str, str]]) -> dict[tuple[str, str], ClaimInfo]:
         slow = ""
         try:
             self.api_runner.call("claims", lambda: cache.refresh(keys), self._api_deadline())
@@ -427,16 +432,15 @@ class Agent:
             raise Degraded(f"ResourceClaims: {cache.last_error}", out)
         return out
 
-    def _list_pods(self) -> list[PodInfo]:
+    def _list_pods(self, source: PodSource) -> list[PodInfo]:
         try:
-            pods = self.api_runner.call("pods", self.src.pods.list, self._api_deadline())
+            pods: list[PodInfo] = self.api_runner.call("pods", source.list, self._api_deadline())
         except CallHung as e:
             raise Degraded(f"Pods: API too slow ({e})", self._last_pods) from None
         self._last_pods = pods
         return pods
 
-    def _slice_devices(self) -> dict:
-        w = self.src.slices
+    def _slice_devices(self, w: SliceSource) -> dict[DeviceKey, SliceDevice]:
         if not w.synced:
             raise RuntimeError(f"ResourceSlices not listed yet{': ' + w.last_error if w.last_error else ''}")
         if w.last_error:
@@ -444,7 +448,7 @@ class Agent:
             raise Degraded(f"ResourceSlice watch: {w.last_error}", w.devices())
         return w.devices()
 
-    def publish(self, process_memory: dict | None = None) -> None:
+    def publish(self, process_memory: dict[tuple[str, str, str], int] | None = None) -> None:
         """Render the current state and hand the bytes to the HTTP server."""
         rep = self.src.remediation.report() if self.src.remediation is not None else None
         xid_counts, read_errors = self.health.counters()  # one consistent copy under the lock

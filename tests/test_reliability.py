@@ -112,7 +112,7 @@ STORM_NODE = {
 UNKNOWN_GPU = "GPU-0badc0de-0000-4000-8000-000000000001"  # no such device on this node
 UNKNOWN_MIG = "MIG-0badc0de-0000-4000-8000-000000000002"
 ROUNDS = 700  # rounds of storm_round() per storm: 9,800 events a storm
-STORMS = 3
+STORMS = 4  # memory is traced from storm 2 on and compared after storms 3 and 4
 
 
 def storm_round(sc) -> list[tuple[str, int]]:
@@ -207,14 +207,17 @@ def test_xid_storm_keeps_serving_taints_once_per_device_and_stays_bounded(storm_
                 # the sampler kept collecting through the storm, so "ready" was the truth
                 wait_until(lambda: cycles() >= cycles_before + 3, timeout=60, message="three collection cycles during and after the storm")
                 logs_per_storm.append(sum(logs.values()) - lines_before)
-                if n >= 1:
+                if n >= 2:
+                    # Not after storm 2: objects made before tracing began and replaced during
+                    # it (caches the demo's evictions refresh, lazy first uses) show as growth
+                    # once; a storm later they are part of the traced baseline.
                     traced.append(settled_traced_memory(scrapers))
         finally:
             tracemalloc.stop()
             results = [p.stop() for p in scrapers]
 
     print(f"\nstorm: {STORMS} x {size} events; /metrics {dict(results[0])}, /readyz {dict(results[1])}; "
-          f"traced memory after storms 2 and 3: {traced}; log lines per storm: {logs_per_storm}")
+          f"traced memory after storms 3 and 4: {traced}; log lines per storm: {logs_per_storm}")
     # The agent kept serving: every scrape a 200 that parses, /readyz ready all along.
     metrics_results, readyz_results = results
     assert set(metrics_results) == {"200"}, (metrics_results, scrapers[0].errors)

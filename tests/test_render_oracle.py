@@ -16,7 +16,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
@@ -25,9 +24,10 @@ from prometheus_client.openmetrics import exposition as om
 
 from exporter.devices.model import DeviceIdentity, DeviceReading, RecoveryAction, Vendor
 from exporter.health.model import Condition, DeviceHealth, Tier
-from exporter.metrics.render import Counter, Gauge, Renderer, RenderState, TaintRuleView
+from exporter.metrics.render import Counter, Gauge, Renderer, RenderState
 from exporter.model.snapshot import AllocationView, ClaimView, DeviceView, Snapshot
 from exporter.remediation.engine import Histogram
+from exporter.remediation.report import TaintRuleView
 
 PROMTOOL = shutil.which("promtool")
 

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -44,8 +44,8 @@ class _Lane:
     __slots__ = ("jobs", "pending", "ran_at", "started", "thread")
 
     def __init__(self, name: str) -> None:
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.pending: Future | None = None
+        self.jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        self.pending: Future[Any] | None = None
         self.started = 0.0
         self.ran_at: float | None = None  # when the worker began the pending call
         self.thread = threading.Thread(target=self._run, name=f"lane-{name}", daemon=True)
@@ -65,8 +65,8 @@ class _Lane:
             except BaseException as exc:
                 fut.set_exception(exc)
 
-    def submit(self, fn: Callable[[], T]) -> Future:
-        fut: Future = Future()
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        fut: Future[T] = Future()
         self.jobs.put((fut, fn))
         return fut
 

@@ -54,7 +54,7 @@ from .model import (
 try:  # nvidia-ml-py is a runtime dependency, but a broken install must not break import
     import pynvml
 except Exception:  # pragma: no cover - exercised only without nvidia-ml-py
-    pynvml = None  # type: ignore[assignment]
+    pynvml = None
 
 log = structlog.get_logger(__name__)
 
@@ -185,7 +185,7 @@ class _Device:
     slow_direct: dict[str, tuple[float, Any]] = field(default_factory=dict)  # key -> (due, value)
     # Equivalent-call fallbacks (newest API first) per quantity, built once per device: the
     # handle never changes for a _Device, so neither do the bound argument tuples.
-    fallbacks: dict[str, list[tuple[str, Callable[..., Any], tuple]]] = field(default_factory=dict)
+    fallbacks: dict[str, list[tuple[str, Callable[..., Any], tuple[Any, ...]]]] = field(default_factory=dict)
     gpm_samples: list[Any] = field(default_factory=list)  # two rotating samples
     gpm_prev: int = -1  # index of the sample holding the previous cycle, -1 = none yet
     failing: str = ""  # last failure, so a lost GPU is logged once and not every cycle
@@ -618,7 +618,7 @@ class NvmlBackend(DeviceBackend):
             log.info("nvml_call_unsupported", uuid=dev.identity.uuid, call=key, error=str(exc))
             return None
 
-    def _first(self, dev: _Device, calls: list[tuple[str, Callable[..., Any], tuple]]) -> Any:
+    def _first(self, dev: _Device, calls: list[tuple[str, Callable[..., Any], tuple[Any, ...]]]) -> Any:
         """The first of several equivalent calls this device supports (newest API first)."""
         for key, fn, args in calls:
             if key in dev.unsupported:
@@ -673,11 +673,11 @@ class NvmlBackend(DeviceBackend):
     def _read_physical(self, dev: _Device, r: DeviceReading) -> None:
         h = dev.handle
         if "temperature" not in dev.fallbacks:
-            temp_calls: list[tuple[str, Callable[..., Any], tuple]] = []
+            temp_calls: list[tuple[str, Callable[..., Any], tuple[Any, ...]]] = []
             if hasattr(pynvml, "nvmlDeviceGetTemperatureV"):
                 temp_calls.append(("temperature_v", pynvml.nvmlDeviceGetTemperatureV, (h, pynvml.NVML_TEMPERATURE_GPU)))
             temp_calls.append(("temperature", pynvml.nvmlDeviceGetTemperature, (h, pynvml.NVML_TEMPERATURE_GPU)))
-            reason_calls: list[tuple[str, Callable[..., Any], tuple]] = []
+            reason_calls: list[tuple[str, Callable[..., Any], tuple[Any, ...]]] = []
             if hasattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons"):
                 reason_calls.append(("clock_event_reasons", pynvml.nvmlDeviceGetCurrentClocksEventReasons, (h,)))
             reason_calls.append(("clock_throttle_reasons", pynvml.nvmlDeviceGetCurrentClocksThrottleReasons, (h,)))
@@ -895,8 +895,9 @@ class NvmlBackend(DeviceBackend):
         out: dict[int, int | None] = {}
         for p in procs:
             pid, used = int(p.pid), p.usedGpuMemory
-            if pid in out and out[pid] is not None and used is not None:
-                out[pid] = int(out[pid]) + int(used)  # same pid listed per compute instance
+            prev = out.get(pid)
+            if prev is not None and used is not None:
+                out[pid] = prev + int(used)  # same pid listed per compute instance
             elif pid not in out or used is not None:
                 out[pid] = None if used is None else int(used)
         return out

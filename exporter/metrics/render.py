@@ -23,14 +23,15 @@ import gzip
 import math
 import re
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.openmetrics import exposition as om_exposition
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from .. import __version__
@@ -48,13 +49,24 @@ GZIP_LEVEL = 1
 COMPAT_LABELS = ("pod", "namespace", "container", "dra_claim_name", "dra_claim_namespace", "dra_driver_name", "dra_pool_name", "dra_device_name")
 
 
-@dataclass(frozen=True)
-class TaintRuleView:
-    driver: str
-    pool: str
-    device: str
-    effect: str
-    tier: str
+Row = tuple[tuple[str, ...], Any]  # (label values, sample value): one sample of a fast-path family
+# A series the renderer keeps: [value, text line, OpenMetrics line, text prefix, OpenMetrics prefix]
+Series = list[Any]
+
+
+class TaintRuleView(Protocol):
+    """What the renderer reads of a DeviceTaintRule the remediator holds (its report's rules)."""
+
+    @property
+    def driver(self) -> str: ...
+    @property
+    def pool(self) -> str: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def effect(self) -> str: ...
+    @property
+    def tier(self) -> str: ...
 
 
 @dataclass
@@ -105,7 +117,7 @@ class _RowFamily:
         self.negative_zero = False
 
     @property
-    def samples(self) -> list:  # type: ignore[override]
+    def samples(self) -> list[Sample]:
         rows = self.__dict__.get("_rows")
         if rows is not None and self._replayed < len(rows):
             start, self._replayed = self._replayed, len(rows)
@@ -114,7 +126,7 @@ class _RowFamily:
         return self._samples
 
     @samples.setter
-    def samples(self, value: list) -> None:
+    def samples(self, value: list[Sample]) -> None:
         self._samples = value
 
     def add_rows(self, rows: Iterable[tuple[tuple[str, ...], Any]]) -> None:
@@ -365,17 +377,17 @@ class SnapshotCollector(Collector):
         if cached is None or cached[0] != node or cached[1] is not snap.allocations:
             # The join hands back the very same allocation tuple while nothing moved (JoinMemo):
             # the rows are built when it changes, not every cycle.
-            rows = [((node, a.driver, a.pool, a.device, a.uuid, a.namespace, a.pod, a.container, a.claim), 1) for a in snap.allocations]
-            cached = self._alloc_rows = (node, snap.allocations, rows)
+            alloc_rows: list[Row] = [((node, a.driver, a.pool, a.device, a.uuid, a.namespace, a.pod, a.container, a.claim), 1) for a in snap.allocations]
+            cached = self._alloc_rows = (node, snap.allocations, alloc_rows)
         alloc.add_rows(cached[2])
         yield alloc
-        devices: list[tuple[tuple[str, ...], Any]] = []
-        pods: list[tuple[tuple[str, ...], Any]] = []
-        util: list[tuple[tuple[str, ...], Any]] = []
-        used: list[tuple[tuple[str, ...], Any]] = []
-        total: list[tuple[tuple[str, ...], Any]] = []
-        power: list[tuple[tuple[str, ...], Any]] = []
-        healthy: list[tuple[tuple[str, ...], Any]] = []
+        devices: list[Row] = []
+        pods: list[Row] = []
+        util: list[Row] = []
+        used: list[Row] = []
+        total: list[Row] = []
+        power: list[Row] = []
+        healthy: list[Row] = []
         for c in snap.claims:
             key = (node, c.namespace, c.name)
             devices.append((key, len(c.devices)))
@@ -389,7 +401,7 @@ class SnapshotCollector(Collector):
             if c.power_watts is not None:
                 power.append((key, c.power_watts))
             healthy.append((key, 1 if c.healthy else 0))
-        for name, rows in (
+        for name, claim_rows in (
             ("dra_claim_devices", devices),
             ("dra_claim_pods", pods),
             ("dra_claim_utilization_ratio", util),
@@ -399,7 +411,7 @@ class SnapshotCollector(Collector):
             ("dra_claim_healthy", healthy),
         ):
             fam = _fam(name)
-            fam.add_rows(rows)
+            fam.add_rows(claim_rows)
             yield fam
         un = _fam("dra_unresolved_devices")
         for drv, n in sorted(snap.unresolved.items()):
@@ -412,8 +424,7 @@ class SnapshotCollector(Collector):
                 BY_NAME["dra_pod_labels"].help,
                 labels=["node", "namespace", "pod", *("label_" + _LABEL_KEY_RE.sub("_", k) for k in keys)],
             )
-            pods = sorted({(a.namespace, a.pod) for a in snap.allocations})
-            for ns, pod in pods:
+            for ns, pod in sorted({(a.namespace, a.pod) for a in snap.allocations}):
                 labels = snap.pod_labels.get((ns, pod), {})
                 lbl.add_metric([node, ns, pod, *(labels.get(k, "") for k in keys)], 1)
             yield lbl
@@ -451,9 +462,9 @@ class SnapshotCollector(Collector):
             w.add_metric([node], st.taint_writes_refused)
             yield w
         if st.remediation is not None:
-            a = _fam("dra_gpu_exporter_remediation_active")
-            a.add_metric([node, st.remediation[0]], 1 if st.remediation[1] else 0)
-            yield a
+            active = _fam("dra_gpu_exporter_remediation_active")
+            active.add_metric([node, st.remediation[0]], 1 if st.remediation[1] else 0)
+            yield active
 
 
 class Exposition:
@@ -495,7 +506,7 @@ class Exposition:
         return self._compressed("openmetrics")
 
 
-class _One:
+class _One(Collector):
     """A registry of one family, to let prometheus_client render a family we do not fast-path."""
 
     def __init__(self, fam: Metric) -> None:
@@ -506,6 +517,9 @@ class _One:
 
 
 _OM_EOF = "# EOF\n"
+# prometheus_client leaves these two unannotated; typed here once instead of at every call.
+_om_generate_latest: Callable[[Collector], bytes] = om_exposition.generate_latest
+_go_float: Callable[[float], str] = floatToGoString
 _UNDERSCORES = om_exposition.UNDERSCORES
 _ALLOWUTF8 = om_exposition.ALLOWUTF8
 
@@ -517,7 +531,7 @@ def _label_str(labelnames: tuple[str, ...], labels: tuple[str, ...]) -> str:
     if not labelnames or not labels:
         return ""
     items = sorted(dict(zip(labelnames, labels, strict=False)).items())
-    return "{" + ",".join(f'{om_exposition.escape_label_name(k, _UNDERSCORES)}="{om_exposition._escape(v, _ALLOWUTF8, False)}"' for k, v in items) + "}"
+    return "{" + ",".join(f'{om_exposition.escape_label_name(k, _UNDERSCORES)}="{om_exposition._escape(v, _ALLOWUTF8, om_exposition._is_legacy_labelname_rune)}"' for k, v in items) + "}"
 
 
 class Renderer:
@@ -529,12 +543,12 @@ class Renderer:
         self.registry.register(self.collector)
         self.gzip_level = gzip_level
         # (type, name, labelnames) -> {label values: series}; only what the last render yielded
-        self._series: dict[tuple, dict[tuple[str, ...], list]] = {}
+        self._series: dict[tuple[str, str, tuple[str, ...]], dict[tuple[str, ...], Series]] = {}
         # (type, name, labelnames) -> (rows, text chunk, OpenMetrics chunk) of the last render
-        self._chunks: dict[tuple, tuple[list, str, str]] = {}
+        self._chunks: dict[tuple[str, str, tuple[str, ...]], tuple[list[Row], str, str]] = {}
         # (type, name) -> (samples, documentation, unit, text, OpenMetrics) of other families
-        self._generic_last: dict[tuple, tuple] = {}
-        self._headers: dict[tuple, tuple[str, str, str, str]] = {}
+        self._generic_last: dict[tuple[str, str], tuple[list[Sample], str, str, str, str]] = {}
+        self._headers: dict[tuple[Any, ...], tuple[str, str, str, str]] = {}
 
     def render(self, state: RenderState) -> Exposition:
         self.collector.state = state
@@ -545,11 +559,11 @@ class Renderer:
         yielding them), reusing what the previous call formatted."""
         text: list[str] = []
         om: list[str] = []
-        series: dict[tuple, dict[tuple[str, ...], list]] = {}
-        chunks: dict[tuple, tuple[list, str, str]] = {}
-        generic: dict[tuple, tuple] = {}
+        series: dict[tuple[str, str, tuple[str, ...]], dict[tuple[str, ...], Series]] = {}
+        chunks: dict[tuple[str, str, tuple[str, ...]], tuple[list[Row], str, str]] = {}
+        generic: dict[tuple[str, str], tuple[list[Sample], str, str, str, str]] = {}
         for fam in families:
-            if isinstance(fam, _RowFamily) and not fam.plain:
+            if isinstance(fam, (Gauge, Counter)) and not fam.plain:
                 self._fast(fam, text, om, series, chunks)
             else:
                 self._generic(fam, text, om, generic)
@@ -560,7 +574,7 @@ class Renderer:
             self._headers.clear()
         return Exposition("".join(text).encode("utf-8"), "".join(om).encode("utf-8"), self.gzip_level)
 
-    def _generic(self, fam: Metric, text: list[str], om: list[str], generic: dict) -> None:
+    def _generic(self, fam: Metric, text: list[str], om: list[str], generic: dict[tuple[str, str], tuple[list[Sample], str, str, str, str]]) -> None:
         """A family outside the fast path, rendered by prometheus_client itself; its bytes are
         kept while its samples stay equal (a histogram changes only when a taint is written)."""
         key = (fam.type, fam.name)
@@ -577,12 +591,13 @@ class Renderer:
             generic[key] = last
         else:
             one = _One(fam)
-            last = (samples, fam.documentation, fam.unit, generate_latest(one).decode("utf-8"), om_exposition.generate_latest(one).decode("utf-8")[: -len(_OM_EOF)])  # type: ignore[arg-type]
+            om_text: str = _om_generate_latest(one).decode("utf-8")
+            last = (samples, fam.documentation, fam.unit, generate_latest(one).decode("utf-8"), om_text[: -len(_OM_EOF)])
             generic.setdefault(key, last)
         text.append(last[3])
         om.append(last[4])
 
-    def _header(self, fam: Metric, hkey: tuple) -> tuple[str, str, str, str]:
+    def _header(self, fam: Metric, hkey: tuple[Any, ...]) -> tuple[str, str, str, str]:
         """(text header, OpenMetrics header, text sample name, OpenMetrics sample name)."""
         h = self._headers.get(hkey)
         if h is None:
@@ -599,10 +614,17 @@ class Renderer:
             h = self._headers[hkey] = (text, om, tname, om_exposition._escape(sample, _UNDERSCORES, om_exposition._is_legacy_labelname_rune))
         return h
 
-    def _fast(self, fam: _RowFamily, text: list[str], om: list[str], series: dict, chunks: dict) -> None:
-        labelnames: tuple[str, ...] = fam._labelnames  # type: ignore[attr-defined]
-        key = (fam.type, fam.name, labelnames)  # type: ignore[attr-defined]
-        text_header, om_header, tname, oname = self._header(fam, (*key, fam.documentation, fam.unit))  # type: ignore[attr-defined]
+    def _fast(
+        self,
+        fam: Gauge | Counter,
+        text: list[str],
+        om: list[str],
+        series: dict[tuple[str, str, tuple[str, ...]], dict[tuple[str, ...], Series]],
+        chunks: dict[tuple[str, str, tuple[str, ...]], tuple[list[Row], str, str]],
+    ) -> None:
+        labelnames: tuple[str, ...] = fam._labelnames
+        key = (fam.type, fam.name, labelnames)
+        text_header, om_header, tname, oname = self._header(fam, (*key, fam.documentation, fam.unit))
         text.append(text_header)
         om.append(om_header)
         rows = fam._rows
@@ -639,7 +661,7 @@ class Renderer:
             # Re-format only a changed value. 0 is always re-formatted: 0.0 == -0.0 but they
             # print differently; NaN never equals itself; a new series' None equals no number.
             if value != s[0] or not value:
-                v = floatToGoString(value)
+                v = _go_float(value)
                 s[0] = value
                 s[1] = f"{s[3]}{v}\n"
                 s[2] = s[1] if same else f"{s[4]}{v}\n"

@@ -172,7 +172,7 @@ class MetricsServer:
     # -- public ------------------------------------------------------------------------------
     @property
     def port(self) -> int:
-        return self._http.sock.getsockname()[1]
+        return int(self._http.sock.getsockname()[1])
 
     @property
     def url(self) -> str:
@@ -290,7 +290,7 @@ class MetricsServer:
             job.add_done_callback(lambda _: slots.release())  # when it really ends
             try:
                 ok, reason = await asyncio.wait_for(asyncio.wrap_future(job), self.PROBE_TIMEOUT)
-            except (TimeoutError, asyncio.TimeoutError):
+            except TimeoutError:
                 ok, reason = False, f"{what} check did not answer within {self.PROBE_TIMEOUT:.0f}s"
             except Exception as e:  # a broken probe must say so, not crash the server
                 ok, reason = False, f"{what} check failed: {e}"

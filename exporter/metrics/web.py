@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -78,7 +79,7 @@ class Request:
     version: str
     headers: dict[str, str]  # lower-case names; repeated headers joined with ", "
     peer: str
-    peer_cert: dict | None = None
+    peer_cert: dict[str, Any] | None = None
 
     @property
     def path(self) -> str:
@@ -119,7 +120,7 @@ class RateLimitedLog:
 class _Conn:
     __slots__ = ("id", "served", "since", "transport", "waiting")
 
-    def __init__(self, cid: int, transport: asyncio.BaseTransport) -> None:
+    def __init__(self, cid: int, transport: asyncio.WriteTransport) -> None:
         self.id = cid
         self.transport = transport
         self.waiting = True  # waiting for (or reading) a request head: evictable
@@ -155,6 +156,7 @@ class _Protocol(asyncio.StreamReaderProtocol):
         super().__init__(reader, server._serve_conn, loop=server.loop)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)  # a stream socket's transport always is
         # Before any task exists: a connection over the ceiling costs an accept and a close.
         if not self._srv._admit(transport):
             transport.abort()
@@ -285,7 +287,7 @@ class HttpServer:
         except OSError:
             conn.close()
 
-    def _admit(self, transport: asyncio.BaseTransport) -> bool:
+    def _admit(self, transport: asyncio.WriteTransport) -> bool:
         if len(self._conns) >= self.max_connections:
             waiting = [c for c in self._conns.values() if c.waiting]
             if not waiting:
@@ -319,7 +321,7 @@ class HttpServer:
             return
         self.loop.call_later(0.02, self._govern, cpu0, wall0)
 
-    def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         # asyncio would log these with a traceback (accept() out of descriptors, a transport
         # error); one rate-limited line is enough, and nothing here may stop the loop.
         exc = context.get("exception")
@@ -344,7 +346,7 @@ class HttpServer:
             if self.tls is not None:
                 try:
                     await writer.start_tls(self.tls(), ssl_handshake_timeout=self.limits.tls_handshake_timeout)
-                except (TimeoutError, asyncio.TimeoutError):
+                except TimeoutError:
                     self._timeout("tls_handshake")
                     return
                 except (ssl.SSLError, OSError, ConnectionError) as e:
@@ -373,20 +375,20 @@ class HttpServer:
     def _count_tls_failure(self) -> None:
         self.tls_failed += 1
 
-    async def _requests(self, conn: _Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str, peer_cert: dict | None) -> None:
+    async def _requests(self, conn: _Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str, peer_cert: dict[str, Any] | None) -> None:
         lim = self.limits
         for n in range(lim.max_requests_per_connection):
             conn.waiting, conn.since = True, time.monotonic()
             try:
                 first = await asyncio.wait_for(reader.read(1), lim.idle_timeout)
-            except (TimeoutError, asyncio.TimeoutError):
+            except TimeoutError:
                 self._timeout("idle")
                 return
             if not first:
                 return  # closed by the client
             try:
                 rest = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), lim.header_timeout)
-            except (TimeoutError, asyncio.TimeoutError):
+            except TimeoutError:
                 self._timeout("header")
                 await self._answer(writer, Response(408, b"request head not received in time\n", close=True), "GET")
                 return
@@ -409,7 +411,7 @@ class HttpServer:
             if close or resp.close:
                 return
 
-    def _parse(self, head: bytes, peer: str, peer_cert: dict | None) -> tuple[Request | None, Response]:
+    def _parse(self, head: bytes, peer: str, peer_cert: dict[str, Any] | None) -> tuple[Request | None, Response]:
         lines = head[:-4].split(b"\r\n")
         parts = lines[0].split(b" ")
         if len(parts) != 3 or not parts[0].isalpha() or not parts[1]:
@@ -454,7 +456,7 @@ class HttpServer:
                         await asyncio.wait_for(writer.drain(), self.limits.write_timeout)
                 finally:
                     self._large_writers.release()
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             self._timeout("write")
             writer.transport.abort()
             raise ConnectionError("write timed out") from None

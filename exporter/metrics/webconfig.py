@@ -81,7 +81,7 @@ class WebConfig:
     source: str = ""
 
 
-def _mapping(v: Any, where: str) -> dict:
+def _mapping(v: Any, where: str) -> dict[str, Any]:
     if v is None:
         return {}
     if not isinstance(v, dict):
@@ -266,11 +266,11 @@ class ReloadingContext:
         self._stamp = self._stat()
         self._ctx = build_context(settings)
         self._checked = time.monotonic()
-        self._failed_stamp: tuple | None = None
+        self._failed_stamp: tuple[tuple[int, int, int] | None, ...] | None = None
         self.reloads = 0
 
-    def _stat(self) -> tuple:
-        out = []
+    def _stat(self) -> tuple[tuple[int, int, int] | None, ...]:
+        out: list[tuple[int, int, int] | None] = []
         for p in self._paths:
             try:
                 st = os.stat(p)

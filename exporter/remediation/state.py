@@ -46,7 +46,7 @@ class _StoredDeletion(TypedDict):
 
 def parse_time(value: str) -> float | None:
     try:
-        return dt.datetime.strptime(value, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.timezone.utc).timestamp()
+        return dt.datetime.strptime(value, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.UTC).timestamp()
     except (TypeError, ValueError):
         return None
 
