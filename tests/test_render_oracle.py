@@ -16,7 +16,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
