@@ -39,7 +39,7 @@ def rss_mb(key: str = "VmRSS") -> float:
 
 def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, int(round(p / 100.0 * (len(xs) - 1)))))]
+    return xs[min(len(xs) - 1, max(0, round(p / 100.0 * (len(xs) - 1))))]
 
 
 def measure_cycles(agent, cycles: int, cpu_seconds: float) -> dict:
@@ -139,10 +139,10 @@ def main() -> None:
     sys.modules["kubernetes_validate"] = None  # type: ignore[assignment]
     interpreter_mb = rss_mb()
 
-    from exporter.config import Config, TaintMode
     from drasim.backend import SimBackend, SimClock
-    from exporter.logs import configure
     from drasim.scenario import parse_scenario
+    from exporter.config import Config, TaintMode
+    from exporter.logs import configure
     from exporter.wiring import build_agent
 
     configure("json", "error")

@@ -28,13 +28,14 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pynvml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from exporter.devices.nvml import FIELD_REQUESTS, GPM_METRICS, NvmlBackend  # noqa: E402
+from exporter.devices.nvml import FIELD_REQUESTS, GPM_METRICS, NvmlBackend
 
 FORMAT = "dra-gpu-exporter/nvml-fixture/v1"
 _VALUE_MEMBER = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
@@ -255,7 +256,7 @@ def record(args: argparse.Namespace) -> dict:
                 }
                 gi = mc["nvmlDeviceGetGpuInstanceId"][0]["value"]
                 if gi is not None:
-                    info = result(lambda: pynvml.nvmlGpuInstanceGetInfo(pynvml.nvmlDeviceGetGpuInstanceById(h, gi)), convert=gi_info)
+                    info = result(lambda: pynvml.nvmlGpuInstanceGetInfo(pynvml.nvmlDeviceGetGpuInstanceById(h, gi)), convert=gi_info)  # noqa: B023 - called in this iteration
                     mc["nvmlGpuInstanceGetInfo"] = [info]
                     if info["ret"] == 0:
                         pid = info["value"]["profileId"]
@@ -290,7 +291,7 @@ def record(args: argparse.Namespace) -> dict:
     for h, dev, migs in handles:
         for key, (fn, a, kw, _) in gpu_cycle_calls(h).items():
             dev["latency_us"][key] = latency(fn, a, kw, args.latency_calls)
-        for (mh, mc), md in zip(migs, dev["mig_devices"]):
+        for (mh, _mc), md in zip(migs, dev["mig_devices"], strict=True):
             for key, (fn, a, kw, _) in mig_cycle_calls(mh).items():
                 md["latency_us"][key] = latency(fn, a, kw, args.latency_calls)
     backend = NvmlBackend()
@@ -327,7 +328,7 @@ def _pkg_version() -> str | None:
         from importlib.metadata import version
 
         return version("nvidia-ml-py")
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
 
 

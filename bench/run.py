@@ -14,7 +14,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -25,11 +24,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from exporter.config import Config, TaintMode  # noqa: E402
 from drasim.backend import SimClock  # noqa: E402
+from drasim.scenario import parse_scenario  # noqa: E402
+from exporter.config import Config, TaintMode  # noqa: E402
 from exporter.health.engine import HealthPolicy  # noqa: E402
 from exporter.logs import configure  # noqa: E402
-from drasim.scenario import parse_scenario  # noqa: E402
 
 RESULTS: dict = {}
 
@@ -62,7 +61,7 @@ def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     if not xs:
         return float("nan")
-    k = min(len(xs) - 1, max(0, int(round(p / 100.0 * (len(xs) - 1)))))
+    k = min(len(xs) - 1, max(0, round(p / 100.0 * (len(xs) - 1))))
     return xs[k]
 
 
@@ -331,8 +330,9 @@ def bench_nvml(reads: int = 300, rounds: int = 5) -> None:
 def bench_xid(samples: int = 200) -> None:
     """Time from an XID event delivered by the device library to the DeviceTaintRule existing in
     the API server (a real HTTP round trip through the remediation engine)."""
-    from exporter.devices.model import DeviceEvent, EventKind
     from k8s_helpers import wait_until  # type: ignore
+
+    from exporter.devices.model import DeviceEvent, EventKind
 
     sc = big_scenario()
     lat = []
@@ -349,7 +349,7 @@ def bench_xid(samples: int = 200) -> None:
             dev = g.device_name
             t0 = time.perf_counter()
             node.agent.health.on_event(DeviceEvent(uuid=g.uuid, kind=EventKind.XID, code=79))
-            wait_until(lambda: any((r.get("spec") or {}).get("deviceSelector", {}).get("device") == dev for r in node.cluster.api.list("resource.k8s.io", "devicetaintrules")), timeout=10, interval=0.0005)
+            wait_until(lambda: any((r.get("spec") or {}).get("deviceSelector", {}).get("device") == dev for r in node.cluster.api.list("resource.k8s.io", "devicetaintrules")), timeout=10, interval=0.0005)  # noqa: B023 - polled in this iteration
             lat.append(time.perf_counter() - t0)
             # clear: reset the GPU and delete the rule directly, so the next sample starts clean
             node.agent.health.on_event(DeviceEvent(uuid=g.uuid, kind=EventKind.RESET))

@@ -16,10 +16,10 @@ import selectors
 import socket
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
-def _scraper(host: str, port: int, path: str, n: int, q: "mp.Queue") -> None:
+def _scraper(host: str, port: int, path: str, n: int, q: mp.Queue) -> None:
     lat, errors = [], 0
     conn = http.client.HTTPConnection(host, port, timeout=10)
     for _ in range(n):
@@ -60,7 +60,7 @@ def _load(host: str, port: int, path: str, concurrency: int, per_client: int) ->
 REOPEN_PER_SECOND = 1000
 
 
-def _attacker(host: str, port: int, idle: int, slow: int, bombs: int, stop: "mp.Event", out: "mp.Queue") -> None:
+def _attacker(host: str, port: int, idle: int, slow: int, bombs: int, stop: mp.Event, out: mp.Queue) -> None:
     """Hold ``idle`` idle connections, ``slow`` slow-header senders (a byte a second) and
     ``bombs`` connections sending 256 KiB heads; re-open each one the server closes, at most
     REOPEN_PER_SECOND (held connections, not a connect flood: that one is the kernel's to
@@ -122,7 +122,7 @@ def _attacker(host: str, port: int, idle: int, slow: int, bombs: int, stop: "mp.
         s.close()
 
 
-def _flooder(host: str, port: int, threads: int, stop: "mp.Event") -> None:
+def _flooder(host: str, port: int, threads: int, stop: mp.Event) -> None:
     def hammer() -> None:
         while not stop.is_set():
             c = http.client.HTTPConnection(host, port, timeout=10)

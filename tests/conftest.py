@@ -10,5 +10,5 @@ from __future__ import annotations
 from exporter.logs import configure
 
 
-def pytest_configure(config) -> None:  # noqa: ANN001 - pytest's hook signature
+def pytest_configure(config) -> None:  # pytest's hook signature
     configure("json", "info")

@@ -15,11 +15,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from kit_helpers import wait_until  # noqa: F401 - re-exported: one definition, in the test kit
 from kubernetes import client
 
 from drasim.apiserver import FakeApiServer
 from drasim.node import publish_scenario, write_kubeconfig  # noqa: F401 - re-exported: one definition, in the rig
-from kit_helpers import wait_until  # noqa: F401 - re-exported: one definition, in the test kit
 
 T = TypeVar("T")
 

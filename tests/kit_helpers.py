@@ -67,7 +67,7 @@ def fetch(url: str, timeout: float = 10.0, headers: dict[str, str] | None = None
     fails (refused, reset, timed out) raises OSError."""
     req = urllib.request.Request(url, headers=headers or {})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - loopback only
+        with urllib.request.urlopen(req, timeout=timeout) as resp:  # loopback only
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()

@@ -53,7 +53,7 @@ class Poller(threading.Thread):
             with self.paused:
                 try:
                     self.results[self.fn()] += 1
-                except Exception as e:  # noqa: BLE001 - a failed request is a result to report
+                except Exception as e:  # a failed request is a result to report
                     self.results[type(e).__name__] += 1
                     if len(self.errors) < 5:
                         self.errors.append(repr(e))
@@ -121,7 +121,7 @@ def run_soak(workdir: Path, seconds: float, *, scrapers: int = 10, scale: float 
     scenario.write_text(yaml.safe_dump(soak_scenario(seconds, scale)))
     parse_scenario(yaml.safe_load(scenario.read_text()), "soak")  # a valid scenario, or fail here
     port = free_port()
-    out, err = open(workdir / "stdout", "w"), open(workdir / "stderr", "w")
+    out, err = open(workdir / "stdout", "w"), open(workdir / "stderr", "w")  # noqa: SIM115 - closed in the finally below, once the demo has stopped
     proc = subprocess.Popen(
         [sys.executable, "-m", "exporter", "--interval", "0.2", "demo", "--time-scale", f"{scale:g}", "--listen", f"127.0.0.1:{port}",
          "--scenario", str(scenario), "--log-format", "json", *demo_args],

@@ -25,10 +25,11 @@ import subprocess
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import yaml
 from kit_helpers import fetch, free_port, stop_process, wait_until  # noqa: F401 - re-exported for prom tests
@@ -131,7 +132,7 @@ class PrometheusServer:
     def _safe_targets(self) -> list[dict[str, Any]]:
         try:
             return self.targets()
-        except Exception:  # noqa: BLE001 - diagnostics only
+        except Exception:  # diagnostics only
             return []
 
     # --- lifecycle --------------------------------------------------------------------------

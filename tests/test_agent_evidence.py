@@ -14,20 +14,20 @@ import sys
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pynvml
+from clock_helpers import ManualClock
+from fakes.fake_nvml import FakeNvml, installed
+from kit_helpers import wait_until
+from test_nvml_backend import GPU0, GPU1, idle_gpu
 
 from exporter.agent import Agent, Sources
 from exporter.config import Config
 from exporter.devices.nvml import NvmlBackend
 from exporter.health.model import Tier
 from exporter.health.starvation import StarvationMonitor, read_throttled_seconds
-from clock_helpers import ManualClock
-from fakes.fake_nvml import FakeNvml, installed
-from kit_helpers import wait_until
-from test_nvml_backend import GPU0, GPU1, idle_gpu
 
 
 def fetch(url: str, timeout: float = 10.0) -> tuple[int, bytes]:
@@ -140,7 +140,7 @@ def test_throttling_lag_and_unstarted_calls_make_the_agent_starved_for_a_window(
 def test_a_starved_agent_blames_itself_not_the_gpus():
     # --hung-after 1 s: without telling starvation apart, a call slowed past a second by the
     # starving threads would become driver_hung (fatal) on a healthy GPU.
-    with nvml_agent() as (fake, agent):
+    with nvml_agent() as (_fake, agent):
         url = agent.server.url
         wait_until(lambda: agent.cycles >= 3, timeout=30, message="first cycles")
         assert conditions(agent) == {}
@@ -151,7 +151,7 @@ def test_a_starved_agent_blames_itself_not_the_gpus():
             # starved, and device reads really missed their deadline meanwhile
             wait_until(lambda: agent.starvation.state().starved, timeout=60, message="the agent to notice it is starved")
             wait_until(lambda: any(r == "late" for (_, r) in agent.health.counters()[1]), timeout=120, message="a late device read")
-            ok, reason = agent.readiness()
+            _ok, reason = agent.readiness()
             assert "agent starved of CPU" in reason
             assert agent.liveness()[0]  # starving is no reason for a restart
         cycles = agent.cycles
@@ -192,12 +192,12 @@ def test_a_hang_younger_than_hung_after_is_only_late():
 
 
 def test_liveness_fails_for_a_stuck_sampler_and_recovers():
-    with nvml_agent() as (fake, agent):
+    with nvml_agent() as (_fake, agent):
         agent.LIVENESS_FLOOR = 0.5
         url = agent.server.url
         wait_until(lambda: fetch(url + "/healthz")[0] == 200, timeout=30, message="alive")
         with agent._cycle_lock:  # a sampler stuck inside a cycle
-            status, body = wait_until(lambda: (r := fetch(url + "/healthz"))[0] == 503 and r, timeout=60, message="not alive")
+            _status, body = wait_until(lambda: (r := fetch(url + "/healthz"))[0] == 503 and r, timeout=60, message="not alive")
             assert b"sampler stuck" in body
         wait_until(lambda: fetch(url + "/healthz")[0] == 200, timeout=60, message="alive again")
 
@@ -210,7 +210,7 @@ def test_liveness_fails_for_a_stuck_event_thread_and_recovers():
         gate = threading.Event()
         agent.health.subscribe(lambda u: gate.wait(60))  # the event thread delivers into this
         fake.queue_event(GPU1, pynvml.nvmlEventTypeXidCriticalError, data=13)
-        status, body = wait_until(lambda: (r := fetch(url + "/healthz"))[0] == 503 and r, timeout=60, message="not alive")
+        _status, body = wait_until(lambda: (r := fetch(url + "/healthz"))[0] == 503 and r, timeout=60, message="not alive")
         assert b"event thread stuck" in body
         gate.set()
         wait_until(lambda: fetch(url + "/healthz")[0] == 200, timeout=60, message="alive again")
@@ -219,13 +219,14 @@ def test_liveness_fails_for_a_stuck_event_thread_and_recovers():
 def test_a_starved_agent_with_remediation_on_writes_no_rule(tmp_path: Path):
     """The whole chain, enforce mode: the node's ResourceSlice in NVIDIA's format in the API
     emulation, pods holding the GPUs, the remediator running. Starving the agent taints nothing."""
+    from fakes.fake_nvml import FakeGpu
+    from k8s_helpers import publish_scenario, running_apiserver, write_kubeconfig
+
     from drasim import objects
     from drasim.kubelet import FakeKubelet
     from drasim.scenario import parse_scenario
     from exporter.config import TaintMode
     from exporter.wiring import build_agent
-    from fakes.fake_nvml import FakeGpu
-    from k8s_helpers import publish_scenario, running_apiserver, write_kubeconfig
 
     sc = parse_scenario({
         "node": "starved-node",

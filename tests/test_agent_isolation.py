@@ -16,14 +16,14 @@ import pytest
 from kit_helpers import fetch, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.agent import Agent
-from exporter.config import TaintMode
-from drasim.backend import SimClock
-from drasim.node import SimulatedNode
 from drasim import objects
 from drasim.apiserver import FakeApiServer
+from drasim.backend import SimClock
 from drasim.kubelet import FakeKubelet
+from drasim.node import SimulatedNode
 from drasim.scenario import Scenario, bundled_scenarios, default_scenario, load_scenario, parse_scenario
+from exporter.agent import Agent
+from exporter.config import TaintMode
 
 # ------------------------------------------------------------------ helpers
 

@@ -8,6 +8,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from fakes import fake_amdsmi as fake
+from fakes.fake_amdsmi import FakeAmdGpu, FakeAmdSmiNode, FakeProcess, Status
 from kit_helpers import wait_until
 
 from exporter.devices.amd import (
@@ -22,8 +24,6 @@ from exporter.devices.amd import (
 from exporter.devices.base import BackendUnavailable
 from exporter.devices.deadline import CallHung, DeadlineRunner
 from exporter.devices.model import DeviceEvent, DeviceIdentity, EventKind, ReadError, Vendor
-from fakes import fake_amdsmi as fake
-from fakes.fake_amdsmi import FakeAmdGpu, FakeAmdSmiNode, FakeProcess, Status
 
 GIB = 1024**3
 GPU0 = "11111111-0000-1000-8000-000000000000"

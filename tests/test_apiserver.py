@@ -161,7 +161,7 @@ def test_create_and_list_resource_slices_by_node(server: FakeApiServer, api: cli
     assert [s.metadata.name for s in r.list_resource_slice(field_selector="metadata.name==node-b-gpu").items] \
         == ["node-b-gpu"]
     # Real list items carry no kind/apiVersion; the list itself does.
-    status, raw = call_json(api, "GET", "/apis/resource.k8s.io/v1/resourceslices")
+    _status, raw = call_json(api, "GET", "/apis/resource.k8s.io/v1/resourceslices")
     assert raw["kind"] == "ResourceSliceList" and raw["apiVersion"] == "resource.k8s.io/v1"
     assert "kind" not in raw["items"][0]
 
@@ -422,7 +422,7 @@ def test_close_watches_ends_streams(server: FakeApiServer, api: client.ApiClient
 
 def test_send_initial_events_ends_with_an_annotated_bookmark(server: FakeApiServer, api: client.ApiClient) -> None:
     client.ResourceV1Api(api).create_resource_slice(slice_body("a", "node-a"))
-    status, events = _raw_watch(api, "/apis/resource.k8s.io/v1/resourceslices", None,
+    _status, events = _raw_watch(api, "/apis/resource.k8s.io/v1/resourceslices", None,
                                 sendInitialEvents="true", resourceVersionMatch="NotOlderThan",
                                 allowWatchBookmarks="true", timeoutSeconds="1")
     assert [e["type"] for e in events[:2]] == ["ADDED", "BOOKMARK"]
@@ -479,7 +479,7 @@ def test_effect_none_is_rejected_before_1_35() -> None:
     with running_apiserver("1.35") as srv, api_client(srv.url) as c:
         r = client.ResourceV1alpha3Api(c)
         assert r.create_device_taint_rule(rule_body("r", "resource.k8s.io/v1alpha3", effect="None")).spec.taint.effect == "None"
-        status, reply = call_json(c, "POST", "/apis/resource.k8s.io/v1alpha3/devicetaintrules",
+        status, _reply = call_json(c, "POST", "/apis/resource.k8s.io/v1alpha3/devicetaintrules",
                                   body=rule_body("bad", "resource.k8s.io/v1alpha3", effect="PreferNoSchedule"))
         assert status == 422
 
@@ -519,7 +519,7 @@ def test_v1beta1_nests_device_fields_under_basic() -> None:
         nested = beta.read_resource_slice("new")
         assert isinstance(nested, client.V1beta1ResourceSlice)
         assert nested.spec.devices[0].basic.attributes["uuid"].string == "GPU-node-a-gpu-0"
-        status, raw = call_json(c, "GET", "/apis/resource.k8s.io/v1beta1/resourceslices/new")
+        _status, raw = call_json(c, "GET", "/apis/resource.k8s.io/v1beta1/resourceslices/new")
         assert set(raw["spec"]["devices"][0]) == {"name", "basic"}
         # The server's own accessors read the storage (v1) shape by default.
         assert srv.get(DRA, "resourceslices", "old")["spec"]["devices"][0]["attributes"]["uuid"] == {"string": "GPU-0"}

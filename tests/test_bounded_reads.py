@@ -75,7 +75,7 @@ def test_a_huge_list_response_is_cut_at_the_bound() -> None:
     # Chunked, no Content-Length: the client only learns the size by reading.
     chunk = b"1000\r\n" + b"x" * 0x1000 + b"\r\n"
     head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
-    with hostile_server(head, chunk, chunks=100_000) as (url, sent):  # 400 MB on offer
+    with hostile_server(head, chunk, chunks=100_000) as (url, _sent):  # 400 MB on offer
         api = api_client(url)
         errors: list[ApiError] = []
 
@@ -95,9 +95,8 @@ def test_a_huge_list_response_is_cut_at_the_bound() -> None:
 
 def test_a_declared_oversized_body_is_refused_before_reading() -> None:
     head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1073741824\r\n\r\n"
-    with hostile_server(head, b"{", chunks=1) as (url, _):
-        with pytest.raises(ResponseTooLarge, match="declared"):
-            get_json(api_client(url), "/api/v1/nodes/n1", max_bytes=LIMIT)
+    with hostile_server(head, b"{", chunks=1) as (url, _), pytest.raises(ResponseTooLarge, match="declared"):
+        get_json(api_client(url), "/api/v1/nodes/n1", max_bytes=LIMIT)
 
 
 def test_a_watch_line_without_newline_is_cut_at_the_bound() -> None:

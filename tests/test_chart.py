@@ -22,9 +22,8 @@ from typing import Any
 import helm_python
 import pytest
 import yaml
-from chart_render import CHART, render, render_docs
+from chart_render import CHART, render, render_docs, render_manifest  # tools/render_manifest.py, put on sys.path by chart_render
 
-import render_manifest
 from exporter import config
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -166,7 +165,7 @@ def test_schema_rejects_bad_values(values: dict[str, Any]) -> None:
 def test_web_config_and_kube_rbac_proxy_exclude_each_other() -> None:
     with pytest.raises(helm_python.HelmError, match="enable one of them"):
         render({"webConfig": {"enabled": True, "secretName": "s"}, "kubeRbacProxy": {"enabled": True}})
-    with pytest.raises(helm_python.HelmError, match="webConfig.secretName"):
+    with pytest.raises(helm_python.HelmError, match=r"webConfig.secretName"):
         render({"webConfig": {"enabled": True}})
 
 
@@ -195,7 +194,7 @@ def test_dashboards_are_configmaps_for_the_grafana_sidecar() -> None:
     maps = [d for d in render_docs(TOGGLES["dashboards"]) if d["kind"] == "ConfigMap" and "dashboard" in d["metadata"]["name"]]
     sources = sorted((REPO / "dashboards").glob("*.json"))
     assert len(maps) == len(sources) >= 3
-    for cm, src in zip(sorted(maps, key=lambda d: d["metadata"]["name"]), sources):
+    for cm, src in zip(sorted(maps, key=lambda d: d["metadata"]["name"]), sources, strict=True):
         assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
         assert cm["metadata"]["namespace"] == "monitoring"
         assert json.loads(cm["data"][src.name]) == json.loads(src.read_text())
@@ -212,7 +211,7 @@ def test_scrape_objects_keep_device_series_clean_and_the_job_label() -> None:
         assert endpoint["honorLabels"] is True
         drop = [r for r in endpoint["relabelings"] if r["action"] == "labeldrop"]
         assert drop and {"pod", "namespace", "container"} <= set(drop[0]["regex"].split("|"))
-    pod, _ = _agent(docs)
+    _pod, _ = _agent(docs)
     ds = _one(docs, "DaemonSet")
     assert ds["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == "dra-gpu-exporter"
 

@@ -6,6 +6,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from clock_helpers import ManualClock
 from k8s_helpers import running_apiserver, write_kubeconfig
 
 from exporter.k8s import pods as pods_module
@@ -13,7 +14,6 @@ from exporter.k8s.claims import ClaimCache
 from exporter.k8s.connection import connect
 from exporter.k8s.model import AllocatedDevice
 from exporter.k8s.pods import NodePods
-from clock_helpers import ManualClock
 
 CLAIMS = "resourceclaims"
 

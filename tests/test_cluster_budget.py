@@ -64,7 +64,7 @@ def test_many_agents_at_once_take_exactly_the_capacity_and_give_it_back(tmp_path
                         # PUT whose answer was lost finds its key and counts as taken).
                         if attempt == 9:
                             raise
-            except BaseException as e:  # noqa: BLE001 - reported below
+            except BaseException as e:  # reported below
                 errors.append(e)
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(agents)]

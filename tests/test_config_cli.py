@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from drasim.scenario import bundled_scenarios
 from exporter import __version__
 from exporter.cli import main
 from exporter.config import (
@@ -26,7 +27,6 @@ from exporter.config import (
     parse_listen,
     resolve,
 )
-from drasim.scenario import bundled_scenarios
 
 
 @pytest.fixture(autouse=True)

@@ -18,18 +18,18 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml
-
 from prom_helpers import (  # tests/ is on sys.path
     NO_PROMETHEUS_REASON,
     PROMETHEUS,
     PrometheusServer,
-    free_port,
     fetch,
+    free_port,
     start_prometheus,
     wait_until,
 )

@@ -205,7 +205,7 @@ def test_the_dcgm_dashboard_gets_data_from_the_demo(tmp_path: Path) -> None:
             values = {}
             for var in dashboard()["variables"]:
                 metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", var["query"]).groups()
-                found = wait_until(lambda: prom.label_values(label, match=[metric]), 60, interval=0.2, message=var["query"], ignore=(Exception,))
+                found = wait_until(lambda: prom.label_values(label, match=[metric]), 60, interval=0.2, message=var["query"], ignore=(Exception,))  # noqa: B023 - polled in this iteration
                 # regex-escaped, and the backslashes doubled inside a PromQL string, as Grafana does
                 values[var["name"]] = "(" + "|".join(re.escape(v).replace("\\", "\\\\") for v in found) + ")"
             assert sorted(prom.label_values("gpu", match=["DCGM_FI_DEV_GPU_TEMP"])) == ["0", "1", "2", "3", "4"]

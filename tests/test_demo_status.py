@@ -12,10 +12,10 @@ import re
 
 from kit_helpers import wait_until
 
-from exporter.config import TaintMode
 from drasim.backend import SimClock
 from drasim.demo import DEMO_POLICY, DemoCluster, summary_line
 from drasim.scenario import parse_scenario
+from exporter.config import TaintMode
 
 SCENARIO = """
 name: one-fault

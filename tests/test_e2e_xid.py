@@ -10,19 +10,18 @@ runs 20x faster than real time, and the test holds it still while it looks at th
 
 from __future__ import annotations
 
-
 import pytest
 from kit_helpers import fetch, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from validation import StrictValidator, validate_strict
 
-from exporter.config import TaintMode
+from drasim import objects
 from drasim.backend import SimClock
 from drasim.node import SimulatedNode
+from drasim.scenario import parse_scenario
+from exporter.config import TaintMode
 from exporter.health.engine import HealthPolicy
 from exporter.remediation import names
-from drasim import objects
-from drasim.scenario import parse_scenario
 
 SCALE = 20.0  # simulated seconds per real second
 FAULT_AT = 5.0

@@ -23,21 +23,22 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
-
-from exporter.cli import main
-from exporter.config import ENV_PREFIX, Config, ConfigError, TaintMode, build_parser, check_kubelet_socket, kubelet_socket_unusable, parse_listen, resolve
-from exporter.devices.model import ReadError, RecoveryAction
-from drasim.backend import SimBackend, SimClock
-from drasim import objects
-from drasim.scenario import Scenario, ScenarioError, bundled_scenarios, load_scenario, parse_scenario
 from tree_helpers import tree_paths
+
+from drasim import objects
+from drasim.backend import SimBackend, SimClock
+from drasim.scenario import Scenario, ScenarioError, bundled_scenarios, load_scenario, parse_scenario
+from exporter.cli import main
+from exporter.config import ENV_PREFIX, Config, ConfigError, TaintMode, build_parser, kubelet_socket_unusable, parse_listen, resolve
+from exporter.devices.model import ReadError, RecoveryAction
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "scenarios.md"
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -183,7 +184,7 @@ file_bodies = st.one_of(
 
 # A tree the loader builds cheaply but that is exponentially large when printed or stringified.
 LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
-    f"{n}: &{n} [{', '.join(['*' + p] * 10)}]\n" for p, n in zip("abcde", "bcdef")
+    f"{n}: &{n} [{', '.join(['*' + p] * 10)}]\n" for p, n in zip("abcde", "bcdef", strict=True)
 )
 LAUGHS_FLOW = "{" + LAUGHS.strip().replace("\n", ", ") + "}"  # the same, as one flow mapping
 
@@ -604,7 +605,7 @@ def _environ(env: dict[str, str]) -> Iterator[None]:
 
 NUMBERS = st.one_of(
     st.sampled_from(["nan", "NaN", "-nan", "inf", "-inf", "Infinity", "1e309", "-1e309", "1e-400", "-1", "-0", "0", "0x10",
-                     "1_0", "１２", "٣", "²", "5", "0.05", "0.0499999", "3600", "3600.0000001", "600", "1000", "1000.5",
+                     "1_0", "１２", "٣", "²", "5", "0.05", "0.0499999", "3600", "3600.0000001", "600", "1000", "1000.5",  # noqa: RUF001 - full-width digits on purpose
                      "2.5", "1", "1.0", " 5 ", "", " ", "5s", "1e3", "7e5", "604800", "604801", "0.01", "10000", "10001"]),
     st.floats().map(repr),
     st.integers(-(10**6), 10**6).map(str),
@@ -851,7 +852,7 @@ def test_one_value_means_what_the_docs_say(clean_env, case):
 @example(case=(["--kubelet-socket", "a\x00b"], {}, False))
 @example(case=([], {"NODE_NAME": "Not_A_Node"}, False))
 def test_main_with_bad_configuration_exits_2_with_one_line(clean_env, case):
-    argv, env, demo = case
+    argv, env, _demo = case
     result = _resolve_or_error(argv, env)
     assume(not isinstance(result, Config))  # a good one would start the agent or the demo
     err = io.StringIO()

@@ -8,6 +8,7 @@ exercised exactly, without sleeping. Metrics are checked through the real render
 from __future__ import annotations
 
 import pytest
+from clock_helpers import ManualClock
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction, Vendor
@@ -16,7 +17,6 @@ from exporter.health.model import Tier
 from exporter.health.xid import DEGRADED_XIDS, FATAL_XIDS, INFORMATIONAL_XIDS, classify_xid
 from exporter.metrics.render import Renderer, RenderState
 from exporter.model.join import JoinInputs, join
-from clock_helpers import ManualClock
 
 T0 = 1_750_000_000.0
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from exporter.agent import Agent, Sources
-from exporter.config import ENV_PREFIX, ConfigError, build_parser, resolve
 from drasim.backend import SimBackend, SimClock
 from drasim.scenario import parse_scenario
+from exporter.agent import Agent, Sources
+from exporter.config import ENV_PREFIX, ConfigError, build_parser, resolve
 
 
 @pytest.fixture(autouse=True)

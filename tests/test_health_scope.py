@@ -9,7 +9,9 @@ Time is a hand-moved clock: no sleeps, no timing assertions.
 from __future__ import annotations
 
 import pytest
+from clock_helpers import ManualClock
 from prometheus_client.parser import text_string_to_metric_families
+from test_health_engine import G0, G1, POLICY, T0, mig, observe, ok, xid
 
 from exporter.devices.model import DeviceEvent, EventKind
 from exporter.health.engine import HealthEngine
@@ -17,8 +19,6 @@ from exporter.health.model import Scope, Tier
 from exporter.health.xid import FATAL_XIDS, GPU_WIDE_XIDS, xid_scope
 from exporter.metrics.render import Renderer, RenderState
 from exporter.model.join import JoinInputs, effective_health, join
-from test_health_engine import G0, G1, POLICY, T0, mig, observe, ok, xid
-from clock_helpers import ManualClock
 
 M0, M1 = mig(G0, 0), mig(G0, 1)
 IDS = (G0, M0, M1, G1)
@@ -176,13 +176,13 @@ def test_an_xid_nvml_attributes_to_a_mig_instance_is_booked_on_that_instance():
     """The real ctypes event struct from the fake NVML carries gpuInstanceId/computeInstanceId;
     the backend maps (parent, GI, CI) to the instance's uuid, the engine books it there."""
     import pynvml
+    from fakes.fake_nvml import FakeNvml, installed
+    from kit_helpers import wait_until
+    from test_nvml_backend import GPU0, GPU1, MIG_A, MIG_B, idle_gpu, mig_gpu
 
     from exporter.agent import Agent, Sources
     from exporter.config import Config
     from exporter.devices.nvml import NvmlBackend
-    from fakes.fake_nvml import FakeNvml, installed
-    from kit_helpers import wait_until
-    from test_nvml_backend import GPU0, GPU1, MIG_A, MIG_B, idle_gpu, mig_gpu
 
     fake = FakeNvml([mig_gpu(fields={}), idle_gpu()])  # no field values: no "reset pending" of its own
     with installed(fake):

@@ -346,12 +346,12 @@ def test_join_invariants(allocations, slices, use_good_slices, n_identities, rea
     for s in slices:
         slice_map[s.key] = s
     read_map = {}
-    for ident, r in zip(identities, readings):
+    for ident, r in zip(identities, readings, strict=False):  # the first n_identities readings
         if r is not None:
             r.uuid = ident.uuid
             read_map[ident.uuid] = r
     health = {}
-    for ident, h in zip(IDENTS, healths):
+    for ident, h in zip(IDENTS, healths, strict=True):
         if h is not None:
             tier, sticky = h
             health[ident.uuid] = DeviceHealth(ident.uuid, (Condition(ident.uuid, tier, "r", 1.0, 1.0),), sticky=sticky)

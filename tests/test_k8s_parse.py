@@ -7,10 +7,10 @@ import copy
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tree_helpers import tree_paths
 
 from exporter.k8s.model import AllocatedDevice
 from exporter.k8s.parse import ParseError, parse_claim, parse_pod, parse_slice, parse_slice_full
-from tree_helpers import tree_paths
 
 
 def nvidia_slice_v1() -> dict:
@@ -376,7 +376,7 @@ def test_pod_with_claims():
 
 
 def test_malformed_pod():
-    with pytest.raises(ParseError, match="metadata.name"):
+    with pytest.raises(ParseError, match=r"metadata.name"):
         parse_pod({"metadata": {"namespace": "x"}})
     with pytest.raises(ParseError, match="resourceClaims"):
         parse_pod({"metadata": {"name": "p", "namespace": "x"}, "spec": {"resourceClaims": [1]}})

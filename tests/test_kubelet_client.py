@@ -13,9 +13,11 @@ from typing import TypeVar
 
 import grpc
 import pytest
+from clock_helpers import ManualClock
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from drasim.kubelet import FakeKubelet, cdi_only_claim, claim, container, pod
 from exporter.kubelet import api_pb2, api_pb2_grpc
 from exporter.kubelet.client import (
     BACKOFF_MAX_S,
@@ -27,8 +29,6 @@ from exporter.kubelet.client import (
 )
 from exporter.kubelet.convert import to_snapshot
 from exporter.kubelet.model import AllocationSource, ContainerAllocation
-from drasim.kubelet import FakeKubelet, cdi_only_claim, claim, container, pod
-from clock_helpers import ManualClock
 
 T = TypeVar("T")
 

@@ -12,16 +12,16 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
+from fakes.fake_nvml import FakeGpu, FakeNvml, installed
 from k8s_helpers import publish_scenario, running_apiserver, wait_until, write_kubeconfig
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.config import Config, TaintMode
-from exporter.devices.nvml import NvmlBackend
 from drasim import objects
 from drasim.kubelet import FakeKubelet
 from drasim.scenario import parse_scenario
+from exporter.config import Config, TaintMode
+from exporter.devices.nvml import NvmlBackend
 from exporter.wiring import build_agent
-from fakes.fake_nvml import FakeGpu, FakeMig, FakeNvml, installed
 
 SCENARIO = {
     "node": "lost-node",

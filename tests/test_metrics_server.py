@@ -18,21 +18,21 @@ import pytest
 from kit_helpers import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+from drasim import objects
+from drasim.backend import SimBackend, SimClock
+from drasim.kubelet import FakeKubelet
+from drasim.scenario import default_scenario, parse_scenario
 from exporter import __version__
 from exporter.agent import Agent, Sources
 from exporter.config import Config
-from drasim.backend import SimBackend, SimClock
-from exporter.kubelet.client import PodResourcesClient
 from exporter.devices.model import DeviceIdentity, Vendor
 from exporter.k8s.model import SliceDevice
+from exporter.kubelet.client import PodResourcesClient
 from exporter.kubelet.model import AllocationSource, ContainerAllocation
 from exporter.metrics.catalog import BY_NAME
 from exporter.metrics.render import Renderer, RenderState
-from exporter.model.join import JoinInputs, join
 from exporter.metrics.server import CONTENT_TYPE, MetricsServer
-from drasim import objects
-from drasim.kubelet import FakeKubelet
-from drasim.scenario import default_scenario, parse_scenario
+from exporter.model.join import JoinInputs, join
 
 PROMTOOL = shutil.which("promtool")
 
@@ -241,7 +241,7 @@ def test_stalled_sampler_makes_readyz_fail_and_recover():
         # A sampler stuck inside a cycle (a kubelet or API call that does not return) holds
         # the cycle lock; holding it here stalls the real sampler thread the same way.
         with agent._cycle_lock:
-            status, _, body = wait_until(lambda: (r := fetch(url + "/readyz"))[0] == 503 and r, message="not ready")
+            _status, _, body = wait_until(lambda: (r := fetch(url + "/readyz"))[0] == 503 and r, message="not ready")
             assert b"sampler stalled" in body and b"last successful device collection" in body
             # metrics are still served (the last good cycle), only readiness says they are old
             assert fetch(url + "/metrics")[0] == 200

@@ -6,17 +6,12 @@ import contextlib
 import importlib.util
 import json
 import queue
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pynvml
 import pytest
-from kit_helpers import wait_until
-
-from exporter.devices.base import BackendUnavailable
-from exporter.devices.deadline import CallHung, DeadlineRunner
-from exporter.devices.model import DeviceEvent, DeviceIdentity, EventKind, ReadError, RecoveryAction, Vendor
-from exporter.devices.nvml import FIELD_IDS, NvmlBackend, _decode_batch, mig_profile_from_name, mig_profile_from_size
 from fakes.fake_nvml import (
     DRIVER_NOT_LOADED,
     GPU_IS_LOST,
@@ -28,6 +23,12 @@ from fakes.fake_nvml import (
     GiB,
     installed,
 )
+from kit_helpers import wait_until
+
+from exporter.devices.base import BackendUnavailable
+from exporter.devices.deadline import CallHung, DeadlineRunner
+from exporter.devices.model import DeviceEvent, DeviceIdentity, EventKind, ReadError, RecoveryAction, Vendor
+from exporter.devices.nvml import FIELD_IDS, NvmlBackend, _decode_batch, mig_profile_from_name, mig_profile_from_size
 
 GPU0 = "GPU-0a6e4c3b-8a3d-4f34-9d5e-3f0f7d1c2b10"
 GPU1 = "GPU-5c9f2d61-1e7b-4b8e-a0a4-6d2c9e8f7a21"
@@ -110,9 +111,8 @@ def test_missing_library_is_backend_unavailable(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_driver_not_loaded_is_backend_unavailable() -> None:
-    with installed(FakeNvml([busy_gpu()], init_ret=DRIVER_NOT_LOADED)):
-        with pytest.raises(BackendUnavailable, match="driver is not loaded"):
-            NvmlBackend().open()
+    with installed(FakeNvml([busy_gpu()], init_ret=DRIVER_NOT_LOADED)), pytest.raises(BackendUnavailable, match="driver is not loaded"):
+        NvmlBackend().open()
 
 
 def test_enumerates_two_gpus_with_normalised_bus_ids(nvml) -> None:
@@ -716,13 +716,13 @@ def test_field_value_decode_matches_pynvml_struct_access():
     members = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
     cases = [(0, 0, 3.25), (1, 0, 2**32 - 1), (2, 0, 2**63 + 5), (3, 0, 2**64 - 1), (4, 0, -(2**62)), (5, 0, -7), (6, 0, 65535), (1, 3, 9), (9, 0, 1)]
     arr = (pynvml.c_nvmlFieldValue_t * len(cases))()
-    for entry, (vtype, ret, value) in zip(arr, cases):
+    for entry, (vtype, ret, value) in zip(arr, cases, strict=True):
         entry.valueType, entry.nvmlReturn = vtype, ret
         ctypes.memset(ctypes.addressof(entry.value), 0xAB, ctypes.sizeof(entry.value))  # garbage in unused bytes
         if vtype in members:
             setattr(entry.value, members[vtype], value)
     want = []
-    for entry, (vtype, ret, _) in zip(arr, cases):
+    for entry, (vtype, ret, _) in zip(arr, cases, strict=True):
         raw = pynvml.c_nvmlFieldValue_t.from_buffer_copy(entry)
         want.append((ret, getattr(raw.value, members[vtype]) if ret == _SUCCESS and vtype in members else None))
     assert _decode_batch(arr, len(cases)) == want

@@ -31,12 +31,12 @@ from k8s_helpers import publish_scenario, running_apiserver, wait_until, write_k
 from validation import StrictValidator
 from vap_eval import PolicyEvaluator, agent_request
 
-from exporter.config import Config, TaintMode
-from drasim.backend import SimBackend, SimClock
-from exporter.health.engine import HealthPolicy
 from drasim import objects
+from drasim.backend import SimBackend, SimClock
 from drasim.kubelet import FakeKubelet
 from drasim.scenario import parse_scenario
+from exporter.config import Config, TaintMode
+from exporter.health.engine import HealthPolicy
 from exporter.wiring import build_agent
 
 AGENT = f"system:serviceaccount:{NAMESPACE}:{RELEASE}"
@@ -93,9 +93,8 @@ def access_of(method: str, path: str, query: dict[str, str], watch: bool) -> Acc
     """The RBAC attributes of one request (None for discovery, which system:discovery grants to
     every authenticated user)."""
     path = path.split("?", 1)[0].rstrip("/")
-    if _DISCOVERY.match(path) and not path.startswith("/api/v1/"):
-        if path.count("/") <= 2 or path.startswith("/apis/"):
-            return None
+    if _DISCOVERY.match(path) and not path.startswith("/api/v1/") and (path.count("/") <= 2 or path.startswith("/apis/")):
+        return None
     parts = [unquote(p) for p in path.strip("/").split("/")]
     if parts[0] == "api":
         group, rest = "", parts[2:]

@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from clock_helpers import ManualClock
 from k8s_helpers import api_client, call_json, running_apiserver, wait_until, write_kubeconfig
 from prometheus_client.parser import text_string_to_metric_families
 from validation import StrictValidator, has_schema, validate_strict
@@ -36,7 +37,6 @@ from exporter.model.join import JoinInputs, join
 from exporter.remediation import names
 from exporter.remediation.engine import REFUSED_RETRY, Remediator
 from exporter.remediation.plan import RECORD_REFRESH
-from clock_helpers import ManualClock
 
 NODE = "node-a"
 DRIVER = "gpu.nvidia.com"

@@ -19,12 +19,11 @@ from k8s_helpers import running_apiserver, write_kubeconfig
 from exporter.config import Config, TaintMode
 from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, RecoveryAction, Vendor
 from exporter.health.engine import HealthEngine, HealthPolicy
+from exporter.k8s.budget import BUDGET_NAME, ClusterBudget
 from exporter.k8s.connection import ApiError, connect
 from exporter.k8s.parse import parse_slice
 from exporter.model.join import JoinInputs, join
 from exporter.remediation.engine import Remediator
-
-from exporter.k8s.budget import BUDGET_NAME, ClusterBudget
 
 AGENTS = 120
 BUDGET = 7
@@ -92,7 +91,7 @@ def test_agents_faulting_at_once_take_exactly_the_budget_and_return_it(tmp_path)
             try:
                 start.wait(timeout=60)
                 rem.reconcile()
-            except BaseException as e:  # noqa: BLE001 - reported below
+            except BaseException as e:  # reported below
                 errors.append(e)
 
         threads = [threading.Thread(target=run, args=(rem,)) for rem, _, _ in agents]

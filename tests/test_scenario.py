@@ -124,7 +124,7 @@ def test_sizes(text, want):
 
 @pytest.mark.parametrize("text", ["lots", "80 Gb!", "-1", -5, True, "1e9", float("nan")])
 def test_bad_sizes(text):
-    with pytest.raises(ScenarioError, match="^where:"):
+    with pytest.raises(ScenarioError, match=r"^where:"):
         parse_bytes(text, "where")
 
 
@@ -135,7 +135,7 @@ def test_durations(text, want):
 
 @pytest.mark.parametrize("text", ["1m30s", "-5s", -1, "soon", False, float("nan"), float("inf")])
 def test_bad_durations(text):
-    with pytest.raises(ScenarioError, match="^when:"):
+    with pytest.raises(ScenarioError, match=r"^when:"):
         parse_duration(text, "when")
 
 

@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
+from drasim.backend import SimBackend, SimClock
+from drasim.scenario import bundled_scenarios, load_scenario, parse_scenario
 from exporter.devices.deadline import CallHung, DeadlineRunner
 from exporter.devices.model import DeviceEvent, EventKind, ReadError, RecoveryAction, Vendor
-from drasim.backend import SimBackend, SimClock
-from drasim.scenario import load_scenario, parse_scenario, bundled_scenarios
 
 # A clock that barely moves: simulated time sits at `start_offset` for the length of a test.
 FROZEN = 1e-6
@@ -92,7 +92,7 @@ def test_readings_follow_the_curves():
 def test_mig_instances_and_parent():
     b = backend(TWO, 10.0)
     m = b.scenario.gpus[1]
-    i0, i1 = m.mig
+    i0, _i1 = m.mig
     r0 = b.read(ident(b, i0.uuid))
     assert r0.ok
     assert r0.utilization_ratio is None  # NVML has no utilization rate for MIG
@@ -137,7 +137,7 @@ FAULTS = {
 
 def test_lost_gpu_fails_only_its_reads_and_only_while_lost():
     sc = parse_scenario(FAULTS, "t")
-    a, b_, m = sc.gpus
+    a, b_, _m = sc.gpus
     for t, a_ok in [(30, True), (60, False), (179, False), (180, True)]:
         b = backend(FAULTS, t)
         r = b.read(ident(b, a.uuid))

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from k8s_helpers import running_apiserver, wait_until, write_kubeconfig
 
+from exporter.backoff import Backoff
 from exporter.k8s import slices as slices_module
 from exporter.k8s.connection import (
     MERGE_PATCH,
@@ -22,7 +23,6 @@ from exporter.k8s.connection import (
     stream_watch,
 )
 from exporter.k8s.discovery import Discovery, pick_version, resource_version_for, served_versions
-from exporter.backoff import Backoff
 from exporter.k8s.slices import SliceWatcher
 
 NV = "gpu.nvidia.com"
@@ -100,17 +100,16 @@ def test_initial_list_sees_only_this_nodes_slices():
 
 
 def test_added_modified_deleted():
-    with running_apiserver("1.34", bookmark_interval=3600) as server:
-        with watching(server) as w:
-            assert names(w) == set()
-            server.apply(slice_obj("a-0", devices=("gpu-0",)))
-            wait_until(lambda: names(w) == {"gpu-0"}, message="ADDED")
-            server.apply(slice_obj("a-0", devices=("gpu-0", "gpu-1")))
-            wait_until(lambda: names(w) == {"gpu-0", "gpu-1"}, message="MODIFIED")
-            server.delete("resource.k8s.io", "resourceslices", "a-0")
-            wait_until(lambda: names(w) == set(), message="DELETED")
-            assert w.stats.events == 3
-            assert w.changes[-3:] == [{"gpu-0"}, {"gpu-0", "gpu-1"}, set()]
+    with running_apiserver("1.34", bookmark_interval=3600) as server, watching(server) as w:
+        assert names(w) == set()
+        server.apply(slice_obj("a-0", devices=("gpu-0",)))
+        wait_until(lambda: names(w) == {"gpu-0"}, message="ADDED")
+        server.apply(slice_obj("a-0", devices=("gpu-0", "gpu-1")))
+        wait_until(lambda: names(w) == {"gpu-0", "gpu-1"}, message="MODIFIED")
+        server.delete("resource.k8s.io", "resourceslices", "a-0")
+        wait_until(lambda: names(w) == set(), message="DELETED")
+        assert w.stats.events == 3
+        assert w.changes[-3:] == [{"gpu-0"}, {"gpu-0", "gpu-1"}, set()]
 
 
 def test_slice_moved_to_another_node_disappears():

@@ -20,11 +20,11 @@ from kit_helpers import wait_until
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_families
 from prometheus_client.parser import text_string_to_metric_families
 
+from exporter.devices.model import DeviceIdentity, DeviceReading, Vendor
 from exporter.metrics.render import Renderer, RenderState
 from exporter.metrics.server import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE, MetricsServer, wants_gzip, wants_openmetrics
 from exporter.metrics.web import Limits
 from exporter.model.join import JoinInputs, join
-from exporter.devices.model import DeviceIdentity, DeviceReading, Vendor
 
 PROMTOOL = shutil.which("promtool")
 UUID = "GPU-00000000-1111-2222-3333-444444444444"

@@ -17,15 +17,14 @@ import bcrypt
 import pytest
 import trustme
 import yaml
+from kit_helpers import fetch, free_port, wait_until
+from prom_helpers import NO_PROMETHEUS_REASON, PROMETHEUS, PrometheusServer
 
 from exporter.cli import check_web_config
 from exporter.config import ConfigError, build_parser, resolve
 from exporter.metrics.render import Renderer, RenderState
 from exporter.metrics.server import MetricsServer
 from exporter.metrics.webconfig import WebConfigError, load_web_config, parse_web_config
-
-from kit_helpers import fetch, free_port, wait_until
-from prom_helpers import NO_PROMETHEUS_REASON, PROMETHEUS, PrometheusServer
 
 PASSWORD = "s3cret-scrape"
 HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()  # cost 4: fast tests, same code path

@@ -26,8 +26,9 @@ import os
 import sys
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 __all__ = [
     "FAKE_LIB",
@@ -484,7 +485,7 @@ class FakeAmdSmiNode:
 class _CFunction:
     """What ``CDLL.__getattr__`` would return: callable, with settable restype/argtypes."""
 
-    def __init__(self, lib: "FakeAmdSmiLibrary", name: str) -> None:
+    def __init__(self, lib: FakeAmdSmiLibrary, name: str) -> None:
         self._lib = lib
         self.__name__ = name
         self.restype: Any = ctypes.c_int
@@ -564,7 +565,7 @@ def import_amdsmi(lib: FakeAmdSmiLibrary = FAKE_LIB) -> Any:
     for name in _amdsmi_modules():
         del sys.modules[name]
     with _patched_cdll(lib):
-        import amdsmi  # noqa: PLC0415 - the point of this function
+        import amdsmi  # the point of this function
     return amdsmi
 
 

@@ -32,9 +32,10 @@ import ctypes
 import json
 import threading
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pynvml
 
@@ -259,7 +260,7 @@ def _fv(fid: int, v: int | float | None) -> dict:
 class _Device:
     """A full GPU or a MIG device as the fake library sees it."""
 
-    def __init__(self, calls: dict[str, list[dict]], parent: "_Device | None" = None, slot: int = 0) -> None:
+    def __init__(self, calls: dict[str, list[dict]], parent: _Device | None = None, slot: int = 0) -> None:
         self.calls = calls
         self.parent = parent
         self.slot = slot  # MIG: index under the parent
@@ -319,7 +320,7 @@ class Hang:
 class _Symbol:
     """One exported C symbol. An object (not a bound method) so pynvml may set ``restype``."""
 
-    def __init__(self, fake: "FakeNvml", name: str, impl: Callable[..., int]) -> None:
+    def __init__(self, fake: FakeNvml, name: str, impl: Callable[..., int]) -> None:
         self._fake = fake
         self._name = name
         self._impl = impl
@@ -334,7 +335,7 @@ class _Symbol:
 class FakeNvmlLibrary:
     """The object assigned to ``pynvml.nvmlLib``: attribute lookup = ``dlsym``."""
 
-    def __init__(self, fake: "FakeNvml") -> None:
+    def __init__(self, fake: FakeNvml) -> None:
         self._fake = fake
         self._symbols: dict[str, _Symbol] = {}
 
@@ -415,7 +416,7 @@ class FakeNvml:
     # ---- construction ----------------------------------------------------------------------
 
     @classmethod
-    def from_fixture(cls, fixture: dict | str | Path) -> "FakeNvml":
+    def from_fixture(cls, fixture: dict | str | Path) -> FakeNvml:
         """Build from a recorded/hand-written fixture (see tests/fixtures/nvml/README.md)."""
         if not isinstance(fixture, dict):
             fixture = json.loads(Path(fixture).read_text())
@@ -806,7 +807,7 @@ class FakeNvml:
     def nvmlDeviceGetRemappedRows(self, h: Any, cor: Any, unc: Any, pending: Any, failure: Any) -> int:
         rc, v = self._get("nvmlDeviceGetRemappedRows", self._dev(h))
         if rc == SUCCESS:
-            for ref, x in zip((cor, unc, pending, failure), v):
+            for ref, x in zip((cor, unc, pending, failure), v, strict=False):
                 ref._obj.value = int(x)
         return rc
 
