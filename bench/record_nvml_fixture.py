@@ -308,7 +308,7 @@ def record(args: argparse.Namespace) -> dict:
 
     return {
         "format": FORMAT,
-        "source": f"recorded on hardware by bench/record_nvml_fixture.py at {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')}",
+        "source": f"recorded on hardware by bench/record_nvml_fixture.py at {_dt.datetime.now(_dt.UTC).isoformat(timespec='seconds')}",
         "recorded": {
             "pynvml": getattr(pynvml, "__version__", None) or _pkg_version(),
             "python": platform.python_version(),

@@ -8,7 +8,6 @@ holds it, every enumerated device once, and no exception for any input.
 from __future__ import annotations
 
 import dataclasses
-
 from collections import Counter
 
 from hypothesis import HealthCheck, given, settings
