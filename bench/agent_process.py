@@ -62,6 +62,7 @@ def measure_cycles(agent, cycles: int, cpu_seconds: float) -> dict:
         gz.append(time.process_time() - c0)
     # 1 s cadence, as the agent's own sampler loop runs it (fixed rate), nothing else here.
     stop = threading.Event()
+    threads0 = _thread_cpu()
     c0, w0 = time.process_time(), time.perf_counter()
     next_at = time.monotonic()
     while time.perf_counter() - w0 < cpu_seconds:
@@ -69,6 +70,8 @@ def measure_cycles(agent, cycles: int, cpu_seconds: float) -> dict:
         next_at += 1.0
         stop.wait(max(0.0, next_at - time.monotonic()))
     cpu_share = (time.process_time() - c0) / (time.perf_counter() - w0)
+    threads1 = _thread_cpu()
+    by_thread = {k: round(v - threads0.get(k, 0.0), 3) for k, v in threads1.items() if v - threads0.get(k, 0.0) > 0}
     body = agent.server._exposition.body if agent.server and agent.server._exposition else b""
     return {
         "cycles": cycles,
@@ -79,6 +82,7 @@ def measure_cycles(agent, cycles: int, cpu_seconds: float) -> dict:
         "gzip_openmetrics_ms": pct(gz, 50) * 1e3,
         "cpu_percent_1s_interval": cpu_share * 100,
         "cpu_window_s": cpu_seconds,
+        "cadence_threads_cpu_s": by_thread,  # per native thread over the 1 s cadence window (10 ms ticks)
         "series": sum(1 for line in body.split(b"\n") if line and not line.startswith(b"#")),
         "body_bytes": len(body),
     }
