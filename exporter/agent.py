@@ -64,11 +64,6 @@ class SliceSource(Protocol):
     def stop(self, timeout: float = 5.0) -> None: ...
 
 
-class ClaimEntryView(Protocol):
-    @property
-    def info(self) -> ClaimInfo | None: ...
-
-
 class ClaimSource(Protocol):
     """The claims this node's pods hold, fetched as needed (exporter.k8s.claims.ClaimCache)."""
 
@@ -76,7 +71,7 @@ class ClaimSource(Protocol):
     def last_error(self) -> str | None: ...
     def refresh(self, keys: Iterable[tuple[str, str]]) -> None: ...
     def prune(self, keep: Iterable[tuple[str, str]]) -> None: ...
-    def entry(self, namespace: str, name: str) -> ClaimEntryView | None: ...
+    def infos(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], ClaimInfo]: ...
 
 
 class PodSource(Protocol):
@@ -421,11 +416,7 @@ class Agent:
             # The fetch goes on in the background and fills the cache; use what it has now.
             slow = f"ResourceClaims: API too slow ({e})"
         cache.prune(keys)
-        out = {}
-        for ns, name in keys:
-            entry = cache.entry(ns, name)  # no I/O: refresh() fetched what was due
-            if entry is not None and entry.info is not None:
-                out[(ns, name)] = entry.info
+        out = cache.infos(keys)  # no I/O: refresh() fetched what was due
         if slow:
             raise Degraded(slow, out)
         if cache.last_error:

@@ -124,7 +124,8 @@ class ClaimCache:
     def refresh(self, keys: Iterable[ClaimKey]) -> None:
         """Fetch those of ``keys`` that are missing or expired (one call per collection cycle)."""
         now = self._clock()
-        todo = [k for k in dict.fromkeys(keys) if self._needs_fetch(k, now)]
+        with self._lock:  # one acquisition for the node's claims, not one per claim
+            todo = [k for k in dict.fromkeys(keys) if k not in self._entries or now >= self._expires.get(k, 0.0)]
         if todo:
             self._fetch_many(todo)
 
@@ -132,6 +133,12 @@ class ClaimCache:
         """The cached entry without any I/O (``stale`` tells whether it is a last good copy)."""
         with self._lock:
             return self._entries.get((namespace, name))
+
+    def infos(self, keys: Iterable[ClaimKey]) -> dict[ClaimKey, ClaimInfo]:
+        """The cached claims among ``keys`` that exist, without I/O (one lock for all of them)."""
+        with self._lock:
+            entries = [(k, self._entries.get(k)) for k in keys]
+        return {k: e.info for k, e in entries if e is not None and e.info is not None}
 
     def cached(self) -> dict[ClaimKey, ClaimInfo]:
         """All claims currently known to exist, without I/O."""
