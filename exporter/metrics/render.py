@@ -324,9 +324,9 @@ class SnapshotCollector(Collector):
         extra = COMPAT_LABELS if st.dcgm_compat else ()
         compat = self._compat_rows(snap) if st.dcgm_compat else {}
         empty = ("",) * len(extra)
-        gauges = {name: _fam(name, extra) for name, _, _ in _READING_GAUGES}
-        ecc = _fam("gpu_ecc_errors_total")
-        remap = _fam("gpu_remapped_rows_total")
+        rows: dict[str, list[Row]] = {name: [] for name, _, _ in _READING_GAUGES}
+        ecc: list[Row] = []
+        remap: list[Row] = []
         gpu_index = {d.uuid: d.identity.index for d in snap.devices if not d.identity.is_partition}
         for d in snap.devices:
             i = d.identity
@@ -338,26 +338,36 @@ class SnapshotCollector(Collector):
             r: DeviceReading | None = d.reading
             if r is None or not r.ok:
                 continue
-            label_sets = compat.get(i.uuid, [empty]) if extra else [()]
+            # label tuples made once per device, not once per sample
+            keys = [(node, i.uuid, *ls) for ls in compat.get(i.uuid, [empty])] if extra else [(node, i.uuid)]
             for name, attr, scale in _READING_GAUGES:
                 v = getattr(r, attr)
                 if v is None:
                     continue
-                for ls in label_sets:
-                    gauges[name].add_metric([node, i.uuid, *ls], float(v) * scale)
+                value = float(v) * scale
+                rows[name].extend((key, value) for key in keys)
             if r.ecc_correctable_total is not None:
-                ecc.add_metric([node, i.uuid, "correctable"], r.ecc_correctable_total)
+                ecc.append(((node, i.uuid, "correctable"), r.ecc_correctable_total))
             if r.ecc_uncorrectable_total is not None:
-                ecc.add_metric([node, i.uuid, "uncorrectable"], r.ecc_uncorrectable_total)
+                ecc.append(((node, i.uuid, "uncorrectable"), r.ecc_uncorrectable_total))
             if r.remapped_rows_correctable is not None:
-                remap.add_metric([node, i.uuid, "correctable"], r.remapped_rows_correctable)
+                remap.append(((node, i.uuid, "correctable"), r.remapped_rows_correctable))
             if r.remapped_rows_uncorrectable is not None:
-                remap.add_metric([node, i.uuid, "uncorrectable"], r.remapped_rows_uncorrectable)
+                remap.append(((node, i.uuid, "uncorrectable"), r.remapped_rows_uncorrectable))
+        gauges = []
+        for name, _, _ in _READING_GAUGES:
+            g = _fam(name, extra)
+            g.add_rows(rows[name])
+            gauges.append(g)
+        ecc_fam = _fam("gpu_ecc_errors_total")
+        ecc_fam.add_rows(ecc)
+        remap_fam = _fam("gpu_remapped_rows_total")
+        remap_fam.add_rows(remap)
         yield info
         yield up
-        yield from gauges.values()
-        yield ecc
-        yield remap
+        yield from gauges
+        yield ecc_fam
+        yield remap_fam
         errs = _fam("gpu_read_errors_total")
         for (uuid, reason), n in sorted(st.read_errors.items()):
             errs.add_metric([node, uuid, reason], n)
