@@ -104,7 +104,7 @@ class FakeApiServer:
         bound_host, bound_port = httpd.server_address[:2]
         assert isinstance(bound_host, str)  # an AF_INET/AF_INET6 socket's name has a str host (typeshed allows bytes)
         self.state.url = f"http://{bound_host}:{bound_port}"
-        log.info("apiserver.started", url=self.url, kubernetes=self.kubernetes_version,
+        log.info("apiserver_started", url=self.url, kubernetes=self.kubernetes_version,
                  served=self.served_versions)
         return self.url
 
@@ -124,7 +124,7 @@ class FakeApiServer:
         httpd.server_close()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        log.info("apiserver.stopped", url=self.url)
+        log.info("apiserver_stopped", url=self.url)
 
     def __enter__(self) -> FakeApiServer:
         if self._httpd is None:

@@ -133,7 +133,7 @@ def handle(state: ServerState, h: ApiRequestHandler, method: str) -> None:
     except (BrokenPipeError, ConnectionResetError):
         h.close_connection = True
     except Exception as exc:  # a bug here must answer 500, not kill the connection thread
-        log.exception("apiserver.internal_error", method=method, path=path, error=str(exc))
+        log.exception("apiserver_internal_error", method=method, path=path, error=str(exc))
         try:
             _send(state, h, rec, 500, ApiError(500, f"internal error: {exc}").status())
         except OSError:

@@ -116,7 +116,7 @@ class Registry:
                 message = message if isinstance(message, str) and message else str(exc)
                 path = getattr(exc, "path", None)
                 field = ".".join(str(p) for p in path) if path and not isinstance(path, str) else ""
-                log.info("apiserver.validator_rejected", kind=t.rt.kind, name=name, field=field, error=message)
+                log.info("apiserver_validator_rejected", kind=t.rt.kind, name=name, field=field, error=message)
                 cause = {"reason": "FieldValueInvalid", "message": f"{field}: {message}" if field else message,
                          "field": field}
                 raise ApiError.invalid(t.rt, name, [cause]) from None

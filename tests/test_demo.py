@@ -159,7 +159,7 @@ def test_ctrl_c_during_start_up_still_cleans_up(tmp_path):
     demo = Demo(tmp_path, "--time-scale", "60")
     try:
         # the in-process API server is up, the agent is not yet: interrupt right there
-        demo.wait(lambda: "apiserver.started" in demo.stderr_path.read_text(errors="replace"), 60, "API server start")
+        demo.wait(lambda: "apiserver_started" in demo.stderr_path.read_text(errors="replace"), 60, "API server start")
     finally:
         rc = demo.stop(signal.SIGINT)
     assert rc == 0, demo.output()

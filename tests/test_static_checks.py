@@ -31,3 +31,17 @@ def test_mypy_strict_finds_nothing_in_the_product_and_the_simulator() -> None:
     # --no-incremental: no cache directory is written into the checkout (CI runs a clean clone)
     out = subprocess.run([*_tool("mypy"), "--no-incremental"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_every_log_event_is_one_snake_case_name() -> None:
+    """One log-event naming style (issue 11): ``log.info("kubelet_socket_missing", ...)``, never
+    dotted or spaced names, so logs can be filtered and alerted on by event."""
+    import re
+
+    call = re.compile(r"""\b(?:log|_log|logger)\.(?:debug|info|warning|error|exception|critical)\(\s*["']([^"']*)["']""")
+    bad = []
+    for path in sorted([*ROOT.glob("exporter/**/*.py"), *ROOT.glob("drasim/**/*.py")]):
+        for event in call.findall(path.read_text()):
+            if not re.fullmatch(r"[a-z][a-z0-9_]*", event):
+                bad.append(f"{path.relative_to(ROOT)}: {event!r}")
+    assert not bad, bad

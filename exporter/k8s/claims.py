@@ -234,7 +234,7 @@ class ClaimCache:
                     self._outage(keys[i:], str(exc), exc.retry_after)
                     return
                 # 401/403 and friends: a per-claim problem worth logging, not an outage
-                log.warning("k8s.claims.fetch_failed", namespace=namespace, claim=name, error=str(exc))
+                log.warning("claims_fetch_failed", namespace=namespace, claim=name, error=str(exc))
                 with self._lock:
                     if key in self._entries:
                         self._mark_stale_locked([key], str(exc))
@@ -247,7 +247,7 @@ class ClaimCache:
             try:
                 info = parse_claim(obj, version)
             except ParseError as exc:
-                log.warning("k8s.claims.malformed", namespace=namespace, claim=name, error=str(exc))
+                log.warning("claims_malformed", namespace=namespace, claim=name, error=str(exc))
                 with self._lock:
                     self._stats.malformed += 1
                 self._store(key, None, self.negative_ttl, error=str(exc))
@@ -291,4 +291,4 @@ class ClaimCache:
             self._last_error = error
             self._paused_until = self._clock() + delay
             self._mark_stale_locked(keys, error)
-        log.warning("k8s.claims.unavailable", error=error, retry_in=round(delay, 2), pending=len(keys))
+        log.warning("claims_unavailable", error=error, retry_in=round(delay, 2), pending=len(keys))

@@ -184,7 +184,7 @@ def connect(kubeconfig: str | None) -> ApiClient | None:
         _load_kubeconfig(path, cfg, "$KUBECONFIG")
         source = path
     else:
-        log.info("k8s.no_config", detail="no --kubeconfig, not in a cluster, no $KUBECONFIG")
+        log.info("k8s_no_config", detail="no --kubeconfig, not in a cluster, no $KUBECONFIG")
         return None
     # urllib3's default Retry silently re-sends on 429/503 with Retry-After, sleeping inside
     # the request where stop() cannot interrupt it and hiding throttling from the callers'
@@ -195,7 +195,7 @@ def connect(kubeconfig: str | None) -> ApiClient | None:
     )
     api = ApiClient(configuration=cfg)
     api.user_agent = "dra-gpu-exporter"
-    log.info("k8s.connect", source=source, host=cfg.host)
+    log.info("k8s_connected", source=source, host=cfg.host)
     return api
 
 

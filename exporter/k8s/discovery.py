@@ -147,5 +147,5 @@ class Discovery:
         for version in preference:
             if version in served and resource in self.resources(group, version):
                 return version
-        log.info("k8s.discovery.resource_not_served", group=group, resource=resource, served=sorted(served))
+        log.info("discovery_resource_not_served", group=group, resource=resource, served=sorted(served))
         return None

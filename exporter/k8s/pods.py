@@ -125,7 +125,7 @@ class NodePods:
                         pod = parse_pod(item)
                     except ParseError as exc:
                         malformed += 1
-                        log.warning("k8s.pods.malformed", node=self.node_name, error=str(exc))
+                        log.warning("pods_malformed", node=self.node_name, error=str(exc))
                         continue
                     if pod.node_name in ("", self.node_name):
                         pods.append(pod)
@@ -140,7 +140,7 @@ class NodePods:
                 self._last_error = str(exc)
                 self._stale = self._fetched_at is not None
                 self._retry_at = self._clock() + delay
-            log.warning("k8s.pods.list_failed", node=self.node_name, error=str(exc), retry_in=round(delay, 2))
+            log.warning("pods_list_failed", node=self.node_name, error=str(exc), retry_in=round(delay, 2))
             return
         self._backoff.reset()
         with self._lock:

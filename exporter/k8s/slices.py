@@ -103,7 +103,7 @@ class SliceWatcher(Reflector[ParsedSlice]):
         try:
             return parse_slice_full(obj, version)
         except ParseError as exc:
-            log.warning("k8s.slices.malformed", node=self.node_name, error=str(exc))
+            log.warning("slices_malformed", node=self.node_name, error=str(exc))
             return None
 
     def _parse_logged(self, obj: Any, version: str) -> ParsedSlice | None:
