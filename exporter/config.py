@@ -365,7 +365,7 @@ def _label_allowlist(value: str) -> tuple[str, ...]:
 def parse_exclude_metrics(value: str) -> frozenset[str]:
     """Names and shell patterns -> the catalog names they match. A pattern that matches
     nothing is a typo, and a typo here would silently keep the series it meant to drop."""
-    from .metrics.catalog import BY_NAME
+    from .catalog import BY_NAME
 
     out: set[str] = set()
     for pattern in (p.strip() for p in value.split(",")):

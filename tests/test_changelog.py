@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from exporter.metrics.catalog import CATALOG
+from exporter.catalog import CATALOG
 
 REPO = Path(__file__).resolve().parent.parent
 CHANGELOG = (REPO / "CHANGELOG.md").read_text()

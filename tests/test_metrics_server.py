@@ -24,12 +24,12 @@ from drasim.kubelet import FakeKubelet
 from drasim.scenario import default_scenario, parse_scenario
 from exporter import __version__
 from exporter.agent import Agent, Sources
+from exporter.catalog import BY_NAME
 from exporter.config import Config
 from exporter.devices.model import DeviceIdentity, Vendor
 from exporter.k8s.model import SliceDevice
 from exporter.kubelet.client import PodResourcesClient
 from exporter.kubelet.model import AllocationSource, ContainerAllocation
-from exporter.metrics.catalog import BY_NAME
 from exporter.metrics.render import Renderer, RenderState
 from exporter.metrics.server import CONTENT_TYPE, MetricsServer
 from exporter.model.join import JoinInputs, join

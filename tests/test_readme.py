@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.metrics.catalog import CATALOG
+from exporter.catalog import CATALOG
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 

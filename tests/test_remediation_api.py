@@ -26,12 +26,12 @@ from k8s_helpers import api_client, call_json, running_apiserver, wait_until, wr
 from prometheus_client.parser import text_string_to_metric_families
 from validation import StrictValidator, has_schema, validate_strict
 
+from exporter.catalog import BY_NAME
 from exporter.config import Config, TaintMode
 from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction, Vendor
 from exporter.health.engine import HealthEngine, HealthPolicy
 from exporter.k8s.connection import ApiError, connect
 from exporter.k8s.slices import SliceWatcher
-from exporter.metrics.catalog import BY_NAME
 from exporter.metrics.render import Renderer, RenderState
 from exporter.model.join import JoinInputs, join
 from exporter.remediation import names

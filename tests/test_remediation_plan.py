@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from exporter.catalog import BY_NAME
 from exporter.config import TaintMode
 from exporter.health.model import Condition, DeviceHealth, Tier
-from exporter.metrics.catalog import BY_NAME
+from exporter.reasons import Suppression
 from exporter.remediation import names
 from exporter.remediation.plan import ADMIN_DELETED, EFFECT_RANK, RECORD_REFRESH, OwnedRule, Safety, Target, decide, wanted
-from exporter.remediation.reasons import Suppression
 
 NOW = 1_750_000_000.0
 HOLD = 600.0

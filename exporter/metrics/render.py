@@ -35,9 +35,9 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from .. import __version__
+from ..catalog import BY_NAME
 from ..devices.model import DeviceReading
 from ..model.snapshot import AllocationView, Snapshot
-from .catalog import BY_NAME
 from .webstats import HttpStats
 
 # gzip level for /metrics, chosen by measurement on the dense node's ~600 KB body

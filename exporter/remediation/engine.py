@@ -45,10 +45,10 @@ from ..k8s.resolve import DeviceIndex
 from ..k8s.taintrules import TaintRuleClient, TaintRulesUnavailable
 from ..model.join import effective_health
 from ..model.snapshot import Snapshot
+from ..reasons import Suppression
 from . import domains, names
 from .budget import Budget, LocalBudget
 from .plan import ADMIN_DELETED, Action, Decision, Effect, OwnedRule, Safety, Target, decide, node_wide, settle_due, settling, wanted
-from .reasons import Suppression
 from .report import Histogram, RemediationReport, TaintRuleView
 from .state import AdminDeletion, NodeState, restore_health, rule_from_object
 from .writer import NameTaken, Outcome, RuleWriter

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from ..config import TaintMode
 from ..health.model import DeviceHealth, Tier
-from .reasons import Suppression
+from ..reasons import Suppression
 
 
 class Effect(str, enum.Enum):

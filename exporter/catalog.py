@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..remediation.reasons import documented as suppression_reasons
+from .reasons import documented as suppression_reasons
 
 
 @dataclass(frozen=True)
