@@ -140,11 +140,6 @@ class ClaimCache:
             entries = [(k, self._entries.get(k)) for k in keys]
         return {k: e.info for k, e in entries if e is not None and e.info is not None}
 
-    def cached(self) -> dict[ClaimKey, ClaimInfo]:
-        """All claims currently known to exist, without I/O."""
-        with self._lock:
-            return {k: e.info for k, e in self._entries.items() if e.info is not None}
-
     def prune(self, keep: Iterable[ClaimKey]) -> None:
         """Forget claims no longer referenced, so the cache tracks the node's pods."""
         keep_set = set(keep)
