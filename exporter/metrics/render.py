@@ -587,9 +587,12 @@ class Renderer:
         series: dict[tuple[str, str, tuple[str, ...]], dict[tuple[str, ...], Series]] = {}
         chunks: dict[tuple[str, str, tuple[str, ...]], tuple[list[Row], str, str]] = {}
         generic: dict[tuple[str, str], tuple[list[Sample], str, str, str, str]] = {}
+        # value -> its text, for this render: claims on the same devices share their figures,
+        # so a dense node's 512 claims have a few dozen distinct values per family
+        formatted: dict[Any, str] = {}
         for fam in families:
             if isinstance(fam, (Gauge, Counter)) and not fam.plain:
-                self._fast(fam, text, om, series, chunks)
+                self._fast(fam, text, om, series, chunks, formatted)
             else:
                 self._generic(fam, text, om, generic)
         om.append(_OM_EOF)
@@ -646,6 +649,7 @@ class Renderer:
         om: list[str],
         series: dict[tuple[str, str, tuple[str, ...]], dict[tuple[str, ...], Series]],
         chunks: dict[tuple[str, str, tuple[str, ...]], tuple[list[Row], str, str]],
+        formatted: dict[Any, str],
     ) -> None:
         labelnames: tuple[str, ...] = fam._labelnames
         key = (fam.type, fam.name, labelnames)
@@ -686,7 +690,12 @@ class Renderer:
             # Re-format only a changed value. 0 is always re-formatted: 0.0 == -0.0 but they
             # print differently; NaN never equals itself; a new series' None equals no number.
             if value != s[0] or not value:
-                v = _go_float(value)
+                # 0.0 and -0.0 are one dict key but print differently: zeros are not memoised
+                v = formatted.get(value) if value else None
+                if v is None:
+                    v = _go_float(value)
+                    if value:
+                        formatted[value] = v
                 s[0] = value
                 s[1] = f"{s[3]}{v}\n"
                 s[2] = s[1] if same else f"{s[4]}{v}\n"
