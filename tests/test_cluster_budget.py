@@ -47,6 +47,10 @@ def test_many_agents_at_once_take_exactly_the_capacity_and_give_it_back(tmp_path
         server.apply(_budget_object({"max_domains": str(capacity), "fraction": "0.05", "cluster_gpus": "0"}))
         kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", server.url))
         budgets = [ClusterBudget(connect(kubeconfig), NS) for _ in range(agents)]
+        # The first write is held: the agents that read meanwhile all hold the same version, so
+        # the race happens however the machine schedules 150 threads (a busy machine could
+        # otherwise serialize them and no write would ever conflict).
+        server.delay_next(rf"/configmaps/{BUDGET_NAME}$", 5.0, count=1, method="PUT")
         start = threading.Barrier(agents)
         results: dict[int, bool] = {}
         errors: list[BaseException] = []
