@@ -125,7 +125,7 @@ class ClaimCache:
         """Fetch those of ``keys`` that are missing or expired (one call per collection cycle)."""
         now = self._clock()
         with self._lock:  # one acquisition for the node's claims, not one per claim
-            todo = [k for k in dict.fromkeys(keys) if k not in self._entries or now >= self._expires.get(k, 0.0)]
+            todo = [k for k in dict.fromkeys(keys) if self._due_locked(k, now)]
         if todo:
             self._fetch_many(todo)
 
@@ -166,9 +166,11 @@ class ClaimCache:
 
     def _needs_fetch(self, key: ClaimKey, now: float) -> bool:
         with self._lock:
-            if key not in self._entries:
-                return True
-            return now >= self._expires.get(key, 0.0)
+            return self._due_locked(key, now)
+
+    def _due_locked(self, key: ClaimKey, now: float) -> bool:
+        """Missing or expired (the caller holds ``_lock``)."""
+        return key not in self._entries or now >= self._expires.get(key, 0.0)
 
     def _ensure_version(self) -> str | None:
         if self._version is None:

@@ -52,6 +52,9 @@ COMPAT_LABELS = ("pod", "namespace", "container", "dra_claim_name", "dra_claim_n
 Row = tuple[tuple[str, ...], Any]  # (label values, sample value): one sample of a fast-path family
 # A series the renderer keeps: [value, text line, OpenMetrics line, text prefix, OpenMetrics prefix]
 Series = list[Any]
+FamilyKey = tuple[str, str, tuple[str, ...]]  # (type, name, label names) of a fast-path family
+Chunk = tuple[list[Row], str, str]  # a family's rows and its text and OpenMetrics bytes, last render
+Generic = tuple[list[Sample], str, str, str, str]  # (samples, help, unit, text, OpenMetrics) of another family
 
 
 class TaintRuleView(Protocol):
@@ -109,7 +112,7 @@ class _RowFamily:
     _base: Any  # the prometheus_client family class whose add_metric we defer
 
     def _init_rows(self) -> None:
-        self._rows: list[tuple[tuple[str, ...], Any]] = []
+        self._rows: list[Row] = []
         self._replayed = 0
         self.plain = False
         # -0.0 == 0.0 but the two print differently: a family holding one is never taken as
@@ -129,7 +132,7 @@ class _RowFamily:
     def samples(self, value: list[Sample]) -> None:
         self._samples = value
 
-    def add_rows(self, rows: Iterable[tuple[tuple[str, ...], Any]]) -> None:
+    def add_rows(self, rows: Iterable[Row]) -> None:
         """Many ``add_metric(labels, value)`` calls at once, labels already tuples: the dense
         node's claim and allocation families are thousands of samples, and a method call
         per sample was most of their cost."""
@@ -239,7 +242,7 @@ class SnapshotCollector(Collector):
     def __init__(self) -> None:
         self.state = RenderState()
         # (node, the snapshot's allocations tuple, its dra_device_allocation_info rows)
-        self._alloc_rows: tuple[str, tuple[AllocationView, ...], list[tuple[tuple[str, ...], Any]]] | None = None
+        self._alloc_rows: tuple[str, tuple[AllocationView, ...], list[Row]] | None = None
 
     def collect(self) -> Iterator[Metric]:
         st = self.state
@@ -568,11 +571,11 @@ class Renderer:
         self.registry.register(self.collector)
         self.gzip_level = gzip_level
         # (type, name, labelnames) -> {label values: series}; only what the last render yielded
-        self._series: dict[tuple[str, str, tuple[str, ...]], dict[tuple[str, ...], Series]] = {}
+        self._series: dict[FamilyKey, dict[tuple[str, ...], Series]] = {}
         # (type, name, labelnames) -> (rows, text chunk, OpenMetrics chunk) of the last render
-        self._chunks: dict[tuple[str, str, tuple[str, ...]], tuple[list[Row], str, str]] = {}
+        self._chunks: dict[FamilyKey, Chunk] = {}
         # (type, name) -> (samples, documentation, unit, text, OpenMetrics) of other families
-        self._generic_last: dict[tuple[str, str], tuple[list[Sample], str, str, str, str]] = {}
+        self._generic_last: dict[tuple[str, str], Generic] = {}
         self._headers: dict[tuple[Any, ...], tuple[str, str, str, str]] = {}
 
     def render(self, state: RenderState) -> Exposition:
@@ -584,9 +587,9 @@ class Renderer:
         yielding them), reusing what the previous call formatted."""
         text: list[str] = []
         om: list[str] = []
-        series: dict[tuple[str, str, tuple[str, ...]], dict[tuple[str, ...], Series]] = {}
-        chunks: dict[tuple[str, str, tuple[str, ...]], tuple[list[Row], str, str]] = {}
-        generic: dict[tuple[str, str], tuple[list[Sample], str, str, str, str]] = {}
+        series: dict[FamilyKey, dict[tuple[str, ...], Series]] = {}
+        chunks: dict[FamilyKey, Chunk] = {}
+        generic: dict[tuple[str, str], Generic] = {}
         # value -> its text, for this render: claims on the same devices share their figures,
         # so a dense node's 512 claims have a few dozen distinct values per family
         formatted: dict[Any, str] = {}
@@ -602,7 +605,7 @@ class Renderer:
             self._headers.clear()
         return Exposition("".join(text).encode("utf-8"), "".join(om).encode("utf-8"), self.gzip_level)
 
-    def _generic(self, fam: Metric, text: list[str], om: list[str], generic: dict[tuple[str, str], tuple[list[Sample], str, str, str, str]]) -> None:
+    def _generic(self, fam: Metric, text: list[str], om: list[str], generic: dict[tuple[str, str], Generic]) -> None:
         """A family outside the fast path, rendered by prometheus_client itself; its bytes are
         kept while its samples stay equal (a histogram changes only when a taint is written)."""
         key = (fam.type, fam.name)
@@ -647,8 +650,8 @@ class Renderer:
         fam: Gauge | Counter,
         text: list[str],
         om: list[str],
-        series: dict[tuple[str, str, tuple[str, ...]], dict[tuple[str, ...], Series]],
-        chunks: dict[tuple[str, str, tuple[str, ...]], tuple[list[Row], str, str]],
+        series: dict[FamilyKey, dict[tuple[str, ...], Series]],
+        chunks: dict[FamilyKey, Chunk],
         formatted: dict[Any, str],
     ) -> None:
         labelnames: tuple[str, ...] = fam._labelnames

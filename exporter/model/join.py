@@ -65,6 +65,12 @@ def effective_health(uuid: str, parent_uuid: str, health: Mapping[str, DeviceHea
     return DeviceHealth(uuid=uuid, conditions=own.conditions + inherited, sticky=own.sticky or parent.sticky)
 
 
+# (namespace, name, (driver, pool, device) keys, resolved uuids, pods) of one GPU claim
+ClaimGroup = tuple[str, str, tuple[DeviceKey, ...], tuple[str, ...], tuple[str, ...]]
+# (utilization, memory used, memory total, power, healthy) of a claim's devices
+Figures = tuple[float | None, int | None, int | None, float | None, bool]
+
+
 @dataclass(frozen=True)
 class _Structure:
     """What a join derives from who holds what: the allocation rows, the claims' membership and
@@ -72,8 +78,7 @@ class _Structure:
     or health do, so JoinMemo keeps it between cycles."""
 
     rows: tuple[AllocationView, ...]
-    # (namespace, name, (driver, pool, device) keys, resolved uuids, pods) per GPU claim, sorted
-    claims: tuple[tuple[str, str, tuple[DeviceKey, ...], tuple[str, ...], tuple[str, ...]], ...]
+    claims: tuple[ClaimGroup, ...]  # sorted
     unresolved: dict[str, int]
 
 
@@ -203,7 +208,7 @@ def _unresolved_counts(
     return dict(sorted(counts.items()))
 
 
-def _claim_groups(rows: Iterable[AllocationView]) -> tuple[tuple[str, str, tuple[DeviceKey, ...], tuple[str, ...], tuple[str, ...]], ...]:
+def _claim_groups(rows: Iterable[AllocationView]) -> tuple[ClaimGroup, ...]:
     groups: dict[tuple[str, str], list[AllocationView]] = defaultdict(list)
     for r in rows:
         if r.source == "dra" and r.claim:
@@ -221,11 +226,11 @@ def _claim_groups(rows: Iterable[AllocationView]) -> tuple[tuple[str, str, tuple
 
 
 def _claim_views(
-    groups: tuple[tuple[str, str, tuple[DeviceKey, ...], tuple[str, ...], tuple[str, ...]], ...], by_uuid: Mapping[str, DeviceView]
+    groups: tuple[ClaimGroup, ...], by_uuid: Mapping[str, DeviceView]
 ) -> tuple[ClaimView, ...]:
     # Claims holding the same devices have the same figures: a dense node's 512 claims share
     # a few dozen device sets, so each set is aggregated once per cycle.
-    figures: dict[tuple[str, ...], tuple[float | None, int | None, int | None, float | None, bool]] = {}
+    figures: dict[tuple[str, ...], Figures] = {}
     out = []
     for ns, name, keys, uuids, pods in groups:
         f = figures.get(uuids)
@@ -235,7 +240,7 @@ def _claim_views(
     return tuple(out)
 
 
-def _figures(uuids: tuple[str, ...], by_uuid: Mapping[str, DeviceView]) -> tuple[float | None, int | None, int | None, float | None, bool]:
+def _figures(uuids: tuple[str, ...], by_uuid: Mapping[str, DeviceView]) -> Figures:
     """(utilization, memory used, memory total, power, healthy) of a claim on these devices."""
     views = [by_uuid[u] for u in uuids if u in by_uuid]
     utils = [u for u in (v.utilization for v in views) if u is not None]
