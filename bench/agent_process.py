@@ -61,17 +61,11 @@ def measure_cycles(agent, cycles: int, cpu_seconds: float) -> dict:
         exp.openmetrics_gzipped  # noqa: B018
         gz.append(time.process_time() - c0)
     # 1 s cadence, as the agent's own sampler loop runs it (fixed rate), nothing else here.
-    stop = threading.Event()
     threads0 = _thread_cpu()
     c0, w0 = time.process_time(), time.perf_counter()
-    next_at = time.monotonic()
-    while time.perf_counter() - w0 < cpu_seconds:
-        agent.run_cycle()
-        next_at += 1.0
-        stop.wait(max(0.0, next_at - time.monotonic()))
+    at_cadence(agent, cpu_seconds)
     cpu_share = (time.process_time() - c0) / (time.perf_counter() - w0)
-    threads1 = _thread_cpu()
-    by_thread = {k: round(v - threads0.get(k, 0.0), 3) for k, v in threads1.items() if v - threads0.get(k, 0.0) > 0}
+    by_thread = _thread_cpu_since(threads0)
     body = agent.server._exposition.body if agent.server and agent.server._exposition else b""
     return {
         "cycles": cycles,
@@ -105,13 +99,27 @@ def _thread_cpu() -> dict[str, float]:
     return out
 
 
+def _thread_cpu_since(before: dict[str, float]) -> dict[str, float]:
+    """CPU seconds each thread used since ``before`` (a _thread_cpu() reading), busy ones only."""
+    now = _thread_cpu()
+    return {k: round(v - before.get(k, 0.0), 3) for k, v in now.items() if v - before.get(k, 0.0) > 0}
+
+
+def at_cadence(agent, seconds: float) -> None:
+    """Run cycles at a fixed 1 s rate for ``seconds``, as the agent's own sampler does."""
+    w0, next_at = time.perf_counter(), time.monotonic()
+    while time.perf_counter() - w0 < seconds:
+        agent.run_cycle()
+        next_at += 1.0
+        time.sleep(max(0.0, next_at - time.monotonic()))
+
+
 def idle_threads(seconds: float) -> dict:
     """Process CPU while the agent runs no cycle: what its threads cost doing nothing."""
     before, c0, w0 = _thread_cpu(), time.process_time(), time.perf_counter()
     time.sleep(seconds)
-    after, cpu, wall = _thread_cpu(), time.process_time() - c0, time.perf_counter() - w0
-    busy = {k: round(v - before.get(k, 0.0), 3) for k, v in after.items() if v - before.get(k, 0.0) > 0}
-    return {"cpu_percent": 100 * cpu / wall, "seconds": wall, "threads_cpu_s": busy}
+    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+    return {"cpu_percent": 100 * cpu / wall, "seconds": wall, "threads_cpu_s": _thread_cpu_since(before)}
 
 
 def process_age() -> float:
@@ -189,11 +197,7 @@ def main() -> None:
                 # ...and the agent at its 1 s cadence: what its other threads cost between cycles
                 yappi.clear_stats()
                 yappi.start(builtins=True)
-                next_at = time.monotonic()
-                for _ in range(10):
-                    agent.run_cycle()
-                    next_at += 1.0
-                    time.sleep(max(0.0, next_at - time.monotonic()))
+                at_cadence(agent, 10.0)
                 yappi.stop()
                 a.profile.write_text(text + "\n\n10 s at a 1 s cadence\n" + report(40))
             out = measure_cycles(agent, a.cycles, a.cpu_seconds)

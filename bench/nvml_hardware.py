@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,8 @@ from typing import Any
 import pynvml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from record_nvml_fixture import latency  # bench/ is on sys.path: the script's own folder
+
 from exporter.devices.nvml import FIELD_REQUESTS, NvmlBackend
 
 
@@ -59,34 +60,13 @@ def replay(calls: list[tuple[str, Any, tuple, dict]]) -> None:
 
 
 def per_call_us(calls: list[tuple[str, Any, tuple, dict]], n: int) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for key, fn, args, kwargs in calls:
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter_ns()
-            try:
-                fn(*args, **kwargs)
-            except pynvml.NVMLError:
-                pass
-            times.append((time.perf_counter_ns() - t0) / 1000.0)
-        out[key] = round(statistics.median(times), 2)
-    return out
+    """Median latency of each captured call, as the fixture recorder times calls."""
+    return {key: latency(fn, args, kwargs, n)["median"] for key, fn, args, kwargs in calls}
 
 
 def per_field_us(handle: Any, n: int) -> dict[str, float]:
     """Median latency of one FieldValues call per field id: which counter the driver makes slow."""
-    out: dict[str, float] = {}
-    for req in FIELD_REQUESTS:
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter_ns()
-            try:
-                pynvml.nvmlDeviceGetFieldValues(handle, [req])
-            except pynvml.NVMLError:
-                pass
-            times.append((time.perf_counter_ns() - t0) / 1000.0)
-        out[str(req[0] if isinstance(req, tuple) else req)] = round(statistics.median(times), 2)
-    return out
+    return {str(req[0]): latency(pynvml.nvmlDeviceGetFieldValues, (handle, [req]), {}, n)["median"] for req in FIELD_REQUESTS}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                 "overhead": round(best["backend"] / best["raw"] - 1, 3),
                 "per_call_median_us": per_call_us(calls, 100),
             }
-            if not d.parent_uuid:
-                row["per_field_median_us"] = per_field_us(pynvml.nvmlDeviceGetHandleByUUID(d.uuid), 30)
+            batch = next((args for key, _fn, args, _kw in calls if key == "field_values"), None)
+            if batch is not None:  # full GPUs: the batch's own handle, one field per call
+                row["per_field_median_us"] = per_field_us(batch[0], 30)
                 print("  FieldValues, one field per call (id: median us):", row["per_field_median_us"])
             result["devices"].append(row)
             print(f"{d.model} {d.uuid}: read {row['backend_read_us']} us, its {len(calls)} raw calls {row['raw_calls_us']} us, overhead {row['overhead'] * 100:.1f}%")
