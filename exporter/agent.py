@@ -272,16 +272,20 @@ class Agent:
             log.info("devices_enumerated", count=len(idents), gone=sorted(gone))
             self._identities = idents
         readings: dict[str, DeviceReading] = {}
-        # Devices are read one after another, each on its own lane: a hung device costs one
-        # deadline per cycle, and only until its lane is known to be stuck (then it fails fast).
-        for ident in idents:
-            try:
-                readings[ident.uuid] = self.runner.call(ident.uuid, functools.partial(backend.read, ident), self.cfg.call_timeout)
-            except CallHung as e:
-                readings[ident.uuid] = self._missed_deadline(ident.uuid, e)
-            except Exception as e:  # a backend bug on one device must not cost the others
-                log.exception("device_read_failed", uuid=ident.uuid)
-                readings[ident.uuid] = DeviceReading.failed(ident.uuid, ReadError.ERROR, str(e))
+        # Devices are read one after another, each under its own deadline, on one shared worker
+        # until one hangs: that device then keeps a lane of its own, which fails fast while its
+        # call is stuck, so a hung device costs one deadline, and only its own reads.
+        results = self.runner.call_each([(i.uuid, functools.partial(backend.read, i)) for i in idents], self.cfg.call_timeout)
+        for ident, res in zip(idents, results, strict=True):
+            if isinstance(res, CallHung):
+                readings[ident.uuid] = self._missed_deadline(ident.uuid, res)
+            elif isinstance(res, Exception):  # a backend bug on one device must not cost the others
+                log.error("device_read_failed", uuid=ident.uuid, exc_info=res)
+                readings[ident.uuid] = DeviceReading.failed(ident.uuid, ReadError.ERROR, str(res))
+            elif isinstance(res, BaseException):
+                raise res
+            else:
+                readings[ident.uuid] = res
         for ident in idents:
             r = readings[ident.uuid]
             prev = self._readings.get(ident.uuid)

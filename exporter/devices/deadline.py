@@ -6,6 +6,12 @@ its own worker thread ("lane"). A call that overruns its deadline is reported as
 lane stays busy; until the stuck call returns, further calls on that lane fail fast instead of
 piling up threads. Other devices keep their own lanes and are unaffected.
 
+Calling through a lane costs two thread hand-offs (submit, result), and a dense node reads 64
+devices per cycle: :meth:`DeadlineRunner.call_each` runs a cycle's reads one after another on
+one *shared* worker instead, each still under its own deadline. A call that overruns it takes
+the shared worker with it as its device's own stuck lane, and the calls after it go on on a
+fresh shared worker: a hung device still costs one deadline, once, and only its own lane.
+
 A missed deadline alone does not tell a stuck device from a starved agent: :class:`CallHung`
 says whether the call ever started running on its lane (a worker that never got the CPU before
 the deadline is the agent's problem) and for how long it has been running, so the caller can
@@ -17,7 +23,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
@@ -74,10 +80,114 @@ class _Lane:
         self.jobs.put(None)
 
 
+class _Batch:
+    """Calls run one after another by one worker (:meth:`run`), watched by the caller.
+
+    The worker wakes the caller only when the batch ends; the caller sleeps until the deadline
+    of whichever call is current, so a cycle of fast reads costs one hand-off each way."""
+
+    __slots__ = ("calls", "cond", "eligible_at", "ended", "limit", "ran_at", "results")
+
+    def __init__(self, calls: Sequence[Callable[[], Any]]) -> None:
+        self.calls = calls
+        self.cond = threading.Condition(threading.Lock())
+        self.results: list[tuple[bool, Any]] = []  # (returned, value or the exception raised), in order
+        self.limit = len(calls)  # the worker starts no call at or after this index
+        self.eligible_at = time.monotonic()  # when the current call could begin (its deadline's start)
+        self.ran_at: float | None = None  # when the worker began the current call
+        self.ended = False
+
+    def run(self) -> None:
+        cond = self.cond
+        for i, fn in enumerate(self.calls):
+            with cond:
+                if i >= self.limit:
+                    break
+                self.ran_at = time.monotonic()
+            try:
+                out: tuple[bool, Any] = (True, fn())
+            except BaseException as exc:  # handed to the caller, like a Future would
+                out = (False, exc)
+            with cond:
+                self.results.append(out)
+                self.ran_at = None
+                self.eligible_at = time.monotonic()
+        with cond:
+            self.ended = True
+            cond.notify_all()
+
+    def wait(self, timeout: float) -> tuple[int, float | None] | None:
+        """Until the batch ends (None), or the current call misses its deadline: (its index,
+        seconds it has been running, None if it never started). The worker is then told to
+        start nothing after it."""
+        with self.cond:
+            while True:
+                n = len(self.results)
+                if self.ended or n >= self.limit:
+                    return None
+                now = time.monotonic()
+                deadline = self.eligible_at + timeout
+                if now >= deadline:
+                    running = None if self.ran_at is None else max(0.0, now - self.ran_at)
+                    self.limit = n + 1 if running is not None else n
+                    return n, running
+                self.cond.wait(deadline - now)
+
+
 class DeadlineRunner:
     def __init__(self) -> None:
         self._lanes: dict[str, _Lane] = {}
+        self._shared: _Lane | None = None  # the worker of call_each's calls (lanes that never hung)
         self._lock = threading.Lock()
+
+    def call_each(self, calls: Sequence[tuple[str, Callable[[], T]]], timeout: float) -> list[T | BaseException]:
+        """Run ``calls`` ((lane, fn) pairs) one after another, each under its own ``timeout``
+        counted from when it could begin, and return what each returned or raised, in order
+        (:class:`CallHung` for a missed deadline or a lane still stuck). Calls on a lane that
+        hung before run on that lane (:meth:`call`); the others share one worker."""
+        out: list[Any] = [None] * len(calls)
+        shared: list[int] = []
+        for k, (lane, fn) in enumerate(calls):
+            with self._lock:
+                own = lane in self._lanes
+            if not own:
+                shared.append(k)
+                continue
+            try:
+                out[k] = self.call(lane, fn, timeout)
+            except Exception as exc:
+                out[k] = exc
+        while shared:
+            batch = _Batch([calls[k][1] for k in shared])
+            with self._lock:
+                worker = self._shared
+                if worker is None:
+                    worker = self._shared = _Lane("shared")
+                job = worker.submit(batch.run)
+            missed = batch.wait(timeout)
+            for k, (_, value) in zip(shared, batch.results, strict=False):
+                out[k] = value
+            if missed is None:
+                break
+            n, running = missed
+            k = shared[n]
+            lane = calls[k][0]
+            since = batch.eligible_at
+            if running is None:
+                what = f"did not start within its {timeout:.3g}s deadline"
+            else:
+                what = f"exceeded its {timeout:.3g}s deadline"
+                # The worker is stuck in this call: it becomes the lane's own, and fails that
+                # lane's next calls fast until the call returns; the rest get a new worker.
+                with self._lock:
+                    if self._shared is worker:
+                        self._shared = None
+                    worker.pending, worker.started, worker.ran_at = job, since, time.monotonic() - running
+                    self._lanes[lane] = worker
+                    worker.thread.name = f"lane-{lane}"
+            out[k] = CallHung(lane, since, f"call on {lane} {what}", running_for=running)
+            shared = shared[n + 1 :]
+        return out
 
     def call(self, lane: str, fn: Callable[[], T], timeout: float) -> T:
         """Run ``fn`` on ``lane``'s worker and wait at most ``timeout`` seconds.
@@ -130,6 +240,9 @@ class DeadlineRunner:
     def close(self) -> None:
         with self._lock:
             lanes, self._lanes = list(self._lanes.values()), {}
+            if self._shared is not None:
+                lanes.append(self._shared)
+                self._shared = None
         for ln in lanes:
             ln.stop()
 
