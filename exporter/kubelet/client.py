@@ -4,9 +4,11 @@ The sampler thread calls `PodResourcesClient.list()` once per interval. The clie
 raises anything but the three exceptions below, so one bad kubelet answer cannot take the
 sampler down, and it protects the kubelet from being hammered:
 
-- the channel is created lazily and re-created when the socket file is replaced (a kubelet
-  restart unlinks and re-binds it) or after UNAVAILABLE, because a grpc channel left in its
-  own reconnect backoff fails calls until the backoff expires (up to minutes by default);
+- the connection (HTTP/2 on the unix socket, :mod:`exporter.kubelet.transport`) is made
+  lazily and made anew when the socket file is replaced (a kubelet restart unlinks and
+  re-binds it), after UNAVAILABLE or any connection failure; a call that fails on a connection
+  kept from an earlier call is tried once more on a new one (List is idempotent, and a server
+  may close an idle connection);
 - after RESOURCE_EXHAUSTED (the kubelet's token bucket, 100 qps / burst 10, shared by all
   podresources clients on the node) it backs off exponentially with jitter, 0.1 s to 5 s, and
   during the backoff `list()` fails fast without touching the socket.
@@ -21,13 +23,13 @@ import threading
 import time
 from collections.abc import Callable
 
-import grpc
 import structlog
 
 from exporter.backoff import Backoff
-from exporter.kubelet import api_pb2, api_pb2_grpc
+from exporter.kubelet import api_pb2
 from exporter.kubelet.convert import to_snapshot
 from exporter.kubelet.model import PodResourcesSnapshot
+from exporter.kubelet.transport import DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE, GrpcStatus, TransportError, UnaryConnection
 
 log = structlog.get_logger(__name__)
 
@@ -35,6 +37,8 @@ DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 # Kubernetes' own PodResources clients use 16 MiB; grpc's default of 4 MiB is too small for
 # nodes with many pods, and the kubelet itself sets no send limit.
 MAX_RECEIVE_MESSAGE_LENGTH = 16 * 1024 * 1024
+LIST_METHOD = "/v1.PodResourcesLister/List"
+_LIST_REQUEST = api_pb2.ListPodResourcesRequest().SerializeToString()
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0
 # sockaddr_un.sun_path is 108 bytes on Linux including the terminating NUL.
@@ -87,9 +91,9 @@ class PodResourcesClient:
         self._clock = clock
         self._rng = rng or random.Random()
         self._lock = threading.Lock()
-        self._channel: grpc.Channel | None = None
-        self._stub: api_pb2_grpc.PodResourcesListerStub | None = None
-        self._channel_file: _FileId | None = None
+        self._conn: UnaryConnection | None = None
+        self._conn_file: _FileId | None = None
+        self._conn_used = False  # the connection has answered a call before
         # After RESOURCE_EXHAUSTED: always within [BACKOFF_MIN_S, BACKOFF_MAX_S].
         self._backoff = Backoff(BACKOFF_MIN_S, BACKOFF_MAX_S, rng=self._rng.random, min_delay=BACKOFF_MIN_S)
         self._backoff_until = 0.0
@@ -106,11 +110,7 @@ class PodResourcesClient:
                 raise KubeletRateLimited(
                     self.socket_path, "backing off after rate limit", self._backoff_until - now
                 )
-            stub = self._ensure_stub()
-            try:
-                resp = stub.List(api_pb2.ListPodResourcesRequest(), timeout=self.timeout)
-            except grpc.RpcError as err:
-                raise self._translate(err) from None
+            resp = api_pb2.ListPodResourcesResponse.FromString(self._call())
             self._backoff.reset()
             self._backoff_until = 0.0
             last = self._last
@@ -141,7 +141,7 @@ class PodResourcesClient:
 
     def close(self) -> None:
         with self._lock:
-            self._drop_channel()
+            self._drop()
 
     def __enter__(self) -> PodResourcesClient:
         return self
@@ -151,70 +151,78 @@ class PodResourcesClient:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _ensure_stub(self) -> api_pb2_grpc.PodResourcesListerStub:
+    def _call(self) -> bytes:
+        """The List answer's bytes, on the kept connection or a new one."""
+        for attempt in (1, 2):
+            conn = self._ensure_connection()
+            reused = self._conn_used
+            try:
+                data = conn.call(LIST_METHOD, _LIST_REQUEST, self.timeout)
+            except GrpcStatus as err:
+                self._conn_used = True
+                raise self._translate(err) from None
+            except TransportError as err:
+                self._drop()
+                if reused and attempt == 1 and not err.timed_out:
+                    continue  # the kept connection had gone stale: once more, on a new one
+                if err.timed_out:
+                    raise KubeletUnavailable(self.socket_path, f"no answer within {self.timeout:g}s") from None
+                raise KubeletUnavailable(self.socket_path, f"UNAVAILABLE: {err}") from None
+            self._conn_used = True
+            return data
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _ensure_connection(self) -> UnaryConnection:
         path = self.socket_path
         if len(os.fsencode(os.path.abspath(path))) > _MAX_UNIX_PATH:
             raise KubeletError(path, f"socket path longer than {_MAX_UNIX_PATH} bytes")
         try:
             st = os.stat(path)
         except FileNotFoundError:
-            self._drop_channel()
+            self._drop()
             raise KubeletUnavailable(path, "socket does not exist") from None
         except OSError as err:
-            self._drop_channel()
+            self._drop()
             raise KubeletUnavailable(path, f"cannot stat socket: {err.strerror}") from None
         if not stat.S_ISSOCK(st.st_mode):
-            self._drop_channel()
+            self._drop()
             raise KubeletUnavailable(path, "path exists but is not a unix socket")
 
         file_id = (st.st_dev, st.st_ino, st.st_ctime_ns)
-        if self._stub is not None and file_id != self._channel_file:
+        if self._conn is not None and file_id != self._conn_file:
             log.info("kubelet_socket_replaced", socket=path)
-            self._drop_channel()
-        if self._stub is None:
-            self._channel = grpc.insecure_channel(
-                "unix://" + os.path.abspath(path),
-                options=[
-                    ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_LENGTH),
-                    # We re-create the channel ourselves; keep grpc's own retry short too.
-                    ("grpc.initial_reconnect_backoff_ms", 100),
-                    ("grpc.max_reconnect_backoff_ms", 1000),
-                    # A new channel must connect anew: from grpc's process-wide subchannel pool
-                    # it could inherit the dropped channel's subchannel, still in reconnect
-                    # backoff, and fail at once with the old "connection refused".
-                    ("grpc.use_local_subchannel_pool", 1),
-                ],
-            )
-            # generated by grpc_tools.protoc without annotations
-            self._stub = api_pb2_grpc.PodResourcesListerStub(self._channel)  # type: ignore[no-untyped-call]
-            self._channel_file = file_id
-        return self._stub
+            self._drop()
+        if self._conn is None:
+            try:
+                self._conn = UnaryConnection(path, self.timeout, MAX_RECEIVE_MESSAGE_LENGTH)
+            except TransportError as err:
+                if err.timed_out:
+                    raise KubeletUnavailable(path, f"no answer within {self.timeout:g}s") from None
+                raise KubeletUnavailable(path, f"UNAVAILABLE: cannot connect: {err}") from None
+            self._conn_file = file_id
+            self._conn_used = False
+        return self._conn
 
-    def _drop_channel(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-        self._channel = None
-        self._stub = None
-        self._channel_file = None
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        self._conn = None
+        self._conn_file = None
+        self._conn_used = False
 
-    def _translate(self, err: grpc.RpcError) -> KubeletError:
-        # At run time a failed call's RpcError is also a grpc.Call; grpc-stubs declares the two
-        # with clashing trailing_metadata() types, so mypy would call that check unreachable.
-        call: object = err
-        code = call.code() if isinstance(call, grpc.Call) else grpc.StatusCode.UNKNOWN
-        details = (call.details() if isinstance(call, grpc.Call) else None) or ""
-        path = self.socket_path
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+    def _translate(self, err: GrpcStatus) -> KubeletError:
+        path, details = self.socket_path, err.message
+        if err.code == RESOURCE_EXHAUSTED:
             delay = self._next_backoff()
             log.warning("kubelet_rate_limited", socket=path, details=details, backoff_s=delay)
             return KubeletRateLimited(path, f"RESOURCE_EXHAUSTED: {details}", delay)
-        if code == grpc.StatusCode.UNAVAILABLE:
-            # A fresh channel connects at once when the kubelet is back.
-            self._drop_channel()
+        if err.code == UNAVAILABLE:
+            # A new connection is made at once when the kubelet is back.
+            self._drop()
             return KubeletUnavailable(path, f"UNAVAILABLE: {details}")
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        if err.code == DEADLINE_EXCEEDED:
             return KubeletUnavailable(path, f"no answer within {self.timeout:g}s")
-        return KubeletError(path, f"{code.name}: {details}")
+        return KubeletError(path, f"{err.name}: {details}")
 
     def _next_backoff(self) -> float:
         delay = self._backoff.next_delay()
