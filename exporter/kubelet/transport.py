@@ -110,6 +110,8 @@ class UnaryConnection:
                 self._sock.sendall(data)
             except TimeoutError:
                 self._fail("the socket accepted no data before the deadline", timed_out=True)
+            except (BrokenPipeError, ConnectionResetError) as err:
+                self._fail(f"connection closed by the server ({err.strerror or err})")
             except OSError as err:
                 self._fail(f"send failed: {err.strerror or err}")
 
@@ -149,6 +151,8 @@ class UnaryConnection:
                 chunk = self._sock.recv(_RECV)
             except TimeoutError:
                 self._fail(f"no answer within {timeout:g}s", timed_out=True)
+            except ConnectionResetError as err:
+                self._fail(f"connection closed by the server ({err.strerror or err})")
             except OSError as err:
                 self._fail(f"receive failed: {err.strerror or err}")
             if not chunk:
