@@ -84,7 +84,10 @@ class UnaryConnection:
             sock.close()
             raise TransportError(err.strerror or str(err)) from None
         self._sock = sock
-        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+        # Our request headers are constants, valid and lower-case: h2 need not check and normalise
+        # them on every call. What the server sends is still validated.
+        config = h2.config.H2Configuration(client_side=True, header_encoding=None, validate_outbound_headers=False, normalize_outbound_headers=False)
+        conn = h2.connection.H2Connection(config)
         # Window for a whole maximal answer up front: no WINDOW_UPDATE round trips mid-message.
         window = max_message + 5
         conn.local_settings = h2.settings.Settings(client=True, initial_values={h2.settings.SettingCodes.ENABLE_PUSH: 0, h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: min(window, 2**31 - 1)})

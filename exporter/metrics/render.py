@@ -416,19 +416,20 @@ class SnapshotCollector(Collector):
         total: list[Row] = []
         power: list[Row] = []
         healthy: list[Row] = []
-        for c in snap.claims:
-            key = (node, c.namespace, c.name)
-            devices.append((key, len(c.devices)))
-            pods.append((key, len(c.pods)))
-            if c.utilization is not None:
-                util.append((key, c.utilization))
-            if c.memory_used_bytes is not None:
-                used.append((key, c.memory_used_bytes))
-            if c.memory_total_bytes is not None:
-                total.append((key, c.memory_total_bytes))
-            if c.power_watts is not None:
-                power.append((key, c.power_watts))
-            healthy.append((key, 1 if c.healthy else 0))
+        # ClaimView is a named tuple: unpacking it is one C step, seven attribute reads are seven
+        for ns, name, devs, _uuids, holders, utilization, mem_used, mem_total, watts, ok in snap.claims:
+            key = (node, ns, name)
+            devices.append((key, len(devs)))
+            pods.append((key, len(holders)))
+            if utilization is not None:
+                util.append((key, utilization))
+            if mem_used is not None:
+                used.append((key, mem_used))
+            if mem_total is not None:
+                total.append((key, mem_total))
+            if watts is not None:
+                power.append((key, watts))
+            healthy.append((key, 1 if ok else 0))
         for name, claim_rows in (
             ("dra_claim_devices", devices),
             ("dra_claim_pods", pods),

@@ -232,11 +232,13 @@ def _claim_views(
     # a few dozen device sets, so each set is aggregated once per cycle.
     figures: dict[tuple[str, ...], Figures] = {}
     out = []
-    for ns, name, keys, uuids, pods in groups:
+    make = ClaimView._make
+    for group in groups:
+        uuids = group[3]
         f = figures.get(uuids)
         if f is None:
             f = figures[uuids] = _figures(uuids, by_uuid)
-        out.append(ClaimView(ns, name, keys, uuids, pods, *f))
+        out.append(make(group + f))
     return tuple(out)
 
 

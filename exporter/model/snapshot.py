@@ -7,6 +7,7 @@ and the remediation engine. Immutable, so a renderer can work on it while the ne
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..devices.model import DeviceIdentity, DeviceReading
 from ..health.model import DeviceHealth
@@ -55,8 +56,10 @@ class AllocationView:
     method: str  # how uuid was resolved (attribute, claim-status, minor, ...)
 
 
-@dataclass(frozen=True)
-class ClaimView:
+class ClaimView(NamedTuple):
+    """One claim's devices, pods and figures. A named tuple, not a frozen dataclass: a dense
+    node's join makes 512 of them every cycle, and a tuple is built in a quarter of the time."""
+
     namespace: str
     name: str
     devices: tuple[tuple[str, str, str], ...]  # (driver, pool, device)
