@@ -160,6 +160,7 @@ def main() -> None:
 
     from drasim.backend import SimBackend, SimClock
     from drasim.scenario import parse_scenario
+    from exporter.cli import settle_heap
     from exporter.config import Config, TaintMode
     from exporter.logs import configure
     from exporter.wiring import build_agent
@@ -186,6 +187,7 @@ def main() -> None:
     agent.start()
     # agent.start() returns once the first cycle is rendered and published: /metrics complete
     started_s, first_metrics_s = time.perf_counter() - t_start, process_age()
+    settle_heap()  # as exporter.cli.run_agent does after start-up
     ready = agent.readiness()
     try:
         if a.mode == "cycle":

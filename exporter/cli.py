@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -94,7 +95,7 @@ def stop_on_signals(done: threading.Event, exit_deadline: float | None = None) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    # gRPC's C core logs reconnects to stderr by itself; our logs already say what matters.
+    # The simulated kubelet's gRPC core (demo) logs to stderr by itself; our logs say what matters.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parser = build_parser()
     ns = parser.parse_args(argv)
@@ -118,6 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     return run_agent(cfg)
 
 
+def settle_heap() -> None:
+    """Take what start-up built (modules, classes, the first cycle's caches: ~70,000 objects
+    that live as long as the process) out of the cyclic garbage collector's reach. Its full
+    collections then scan only what later cycles allocate: on the dense bench node one took
+    ~50 ms, every ~20 cycles (a quarter of a percent of a core at a 1 s interval)."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_agent(cfg: Config) -> int:
     from .wiring import build_agent
 
@@ -135,6 +145,7 @@ def run_agent(cfg: Config) -> int:
     except Exception as e:  # start-up problems are the user's to fix: say what, not where
         log.error("start_failed", error=str(e))
         return _fail(str(e), 1)
+    settle_heap()
     done = threading.Event()
     stop_on_signals(done, EXIT_DEADLINE)
     try:
