@@ -474,3 +474,17 @@ def test_every_remediation_delay_is_a_validated_flag_and_env_var(monkeypatch):
     for flag, bad in (("--taint-settle-seconds", "-1"), ("--node-fault-window", "nan"), ("--fault-clear-seconds", "1e9")):
         with pytest.raises(ConfigError):
             cfg(flag, bad)
+
+
+@given(
+    mode=st.sampled_from(list(TaintMode)),
+    safety=st.builds(Safety, st.booleans(), st.booleans(), st.booleans(), st.booleans(), st.booleans(), st.booleans(), st.booleans()),
+    hold=st.floats(0, 3600),
+    now=st.floats(0, 1e9),
+    sticky=st.booleans(),
+)
+def test_a_healthy_device_without_a_rule_never_needs_a_decision(mode, safety, hold, now, sticky) -> None:
+    # Remediator._decide_and_apply skips plan.decide and the writer for such a device (the
+    # steady state of nearly every device on every pass); this is what makes that skip exact.
+    d = decide(T, DeviceHealth(uuid=UUID, sticky=sticky), None, mode, safety, hold, now)
+    assert d.action is Action.NOTHING and not d.suppressed

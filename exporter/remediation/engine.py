@@ -494,6 +494,13 @@ class Remediator:
 
     def _decide_and_apply(self, t: Target, h: DeviceHealth, safety: Safety, supports_none: bool, now: float, scope: str, outcomes: list[Outcome]) -> None:
         rule = self.writer.rule(t.key)
+        if rule is None and not h.conditions and t.key not in self._refused and t.key not in self._admin_deleted:
+            # The steady state of nearly every device: healthy, no rule, nothing refused or
+            # deleted by an admin. plan.decide says NOTHING, unsuppressed, and the writer has
+            # nothing to do; a pass over a healthy dense node was mostly this.
+            if self._announced:
+                self._announced = {tag for tag in self._announced if tag[0] != t.key}
+            return
         d = decide(t, h, rule, self.mode, safety, self.cfg.taint_hold_seconds, now, self._admin_deleted_at(t.key, h))
         held = self._refused.get(t.key)
         if held is not None:
