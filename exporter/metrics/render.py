@@ -36,7 +36,7 @@ from prometheus_client.utils import floatToGoString
 
 from .. import __version__
 from ..catalog import BY_NAME
-from ..devices.model import DeviceReading
+from ..devices.model import DeviceIdentity, DeviceReading
 from ..model.snapshot import AllocationView, Snapshot
 from .webstats import HttpStats
 
@@ -243,6 +243,8 @@ class SnapshotCollector(Collector):
         self.state = RenderState()
         # (node, the snapshot's allocations tuple, its dra_device_allocation_info rows)
         self._alloc_rows: tuple[str, tuple[AllocationView, ...], list[Row]] | None = None
+        # (node, the devices' identities, their gpu_info rows)
+        self._info: tuple[str, tuple[DeviceIdentity, ...], list[Row]] | None = None
 
     def collect(self) -> Iterator[Metric]:
         st = self.state
@@ -321,8 +323,25 @@ class SnapshotCollector(Collector):
             )
         return rows
 
+    def _info_rows(self, node: str, snap: Snapshot) -> list[Row]:
+        """gpu_info rows: made again only when the node's devices (identities) change."""
+        idents = tuple(d.identity for d in snap.devices)
+        cached = self._info
+        if cached is not None and cached[0] == node and cached[1] == idents:
+            return cached[2]
+        gpu_index = {i.uuid: i.index for i in idents if not i.is_partition}
+        out: list[Row] = []
+        for i in idents:
+            # index is the physical GPU's (a MIG instance's own index is a slot in its GPU)
+            index = gpu_index.get(i.parent_uuid if i.is_partition else i.uuid)
+            gi = "" if i.gpu_instance_id is None else str(i.gpu_instance_id)
+            out.append(((node, i.uuid, i.vendor.value, i.model, i.pci_bus_id, i.driver_version, i.parent_uuid, i.mig_profile, "" if index is None else str(index), gi), 1))
+        self._info = (node, idents, out)
+        return out
+
     def _devices(self, node: str, snap: Snapshot, st: RenderState) -> Iterable[Metric]:
         info = _fam("gpu_info")
+        info.add_rows(self._info_rows(node, snap))
         up = _fam("gpu_up")
         extra = COMPAT_LABELS if st.dcgm_compat else ()
         compat = self._compat_rows(snap) if st.dcgm_compat else {}
@@ -330,25 +349,27 @@ class SnapshotCollector(Collector):
         rows: dict[str, list[Row]] = {name: [] for name, _, _ in _READING_GAUGES}
         ecc: list[Row] = []
         remap: list[Row] = []
-        gpu_index = {d.uuid: d.identity.index for d in snap.devices if not d.identity.is_partition}
+        up_rows: list[Row] = []
         for d in snap.devices:
             i = d.identity
-            # index is the physical GPU's (a MIG instance's own index is a slot in its GPU)
-            index = gpu_index.get(i.parent_uuid if i.is_partition else i.uuid)
-            gi = "" if i.gpu_instance_id is None else str(i.gpu_instance_id)
-            info.add_metric([node, i.uuid, i.vendor.value, i.model, i.pci_bus_id, i.driver_version, i.parent_uuid, i.mig_profile, "" if index is None else str(index), gi], 1)
-            up.add_metric([node, i.uuid], 1 if d.up else 0)
+            up_rows.append(((node, i.uuid), 1 if d.up else 0))
             r: DeviceReading | None = d.reading
             if r is None or not r.ok:
                 continue
-            # label tuples made once per device, not once per sample
-            keys = [(node, i.uuid, *ls) for ls in compat.get(i.uuid, [empty])] if extra else [(node, i.uuid)]
-            for name, attr, scale in _READING_GAUGES:
-                v = getattr(r, attr)
-                if v is None:
-                    continue
-                value = float(v) * scale
-                rows[name].extend((key, value) for key in keys)
+            if extra:
+                # label tuples made once per device, not once per sample
+                keys = [(node, i.uuid, *ls) for ls in compat.get(i.uuid, [empty])]
+                for name, attr, scale in _READING_GAUGES:
+                    v = getattr(r, attr)
+                    if v is not None:
+                        value = float(v) * scale
+                        rows[name].extend((key, value) for key in keys)
+            else:
+                key = (node, i.uuid)
+                for name, attr, scale in _READING_GAUGES:
+                    v = getattr(r, attr)
+                    if v is not None:
+                        rows[name].append((key, float(v) * scale))
             if r.ecc_correctable_total is not None:
                 ecc.append(((node, i.uuid, "correctable"), r.ecc_correctable_total))
             if r.ecc_uncorrectable_total is not None:
@@ -366,6 +387,7 @@ class SnapshotCollector(Collector):
         ecc_fam.add_rows(ecc)
         remap_fam = _fam("gpu_remapped_rows_total")
         remap_fam.add_rows(remap)
+        up.add_rows(up_rows)
         yield info
         yield up
         yield from gauges
@@ -383,8 +405,10 @@ class SnapshotCollector(Collector):
     def _health(self, node: str, snap: Snapshot, st: RenderState) -> Iterable[Metric]:
         healthy = _fam("gpu_healthy")
         cond = _fam("gpu_health_condition")
+        healthy.add_rows([((node, d.uuid), 1 if d.health.healthy else 0) for d in snap.devices])
         for d in snap.devices:
-            healthy.add_metric([node, d.uuid], 1 if d.health.healthy else 0)
+            if not d.health.conditions:
+                continue
             seen = set()
             for c in d.health.conditions:
                 key = (c.tier.value, c.reason)
