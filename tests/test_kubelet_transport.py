@@ -155,3 +155,23 @@ def test_transport_errors_are_kubelet_errors_never_raw(sock: str) -> None:
     with pytest.raises(TransportError):
         UnaryConnection(sock, 1, 1024)
     assert issubclass(KubeletUnavailable, KubeletError)
+
+
+def test_an_answer_that_is_no_list_response_is_a_kubelet_error(sock: str) -> None:
+    # A real gRPC server whose List answers bytes that are no ListPodResourcesResponse (a
+    # truncated varint): the client says so, as a KubeletError, and never raises protobuf's own.
+    from concurrent import futures
+
+    handler = grpc.method_handlers_generic_handler(
+        "v1.PodResourcesLister",
+        {"List": grpc.unary_unary_rpc_method_handler(lambda req, ctx: b"\x0a\xff", request_deserializer=None, response_serializer=None)},
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(2), handlers=[handler])
+    server.add_insecure_port("unix://" + sock)
+    server.start()
+    try:
+        with PodResourcesClient(sock, timeout=10) as c, pytest.raises(KubeletError, match="could not decode List response") as info:
+            c.list()
+        assert type(info.value) is KubeletError
+    finally:
+        server.stop(None)

@@ -80,11 +80,12 @@ class StarvationMonitor:
         deadline); ``window``: how long one signal keeps the agent starved; ``cpu_stat``: the
         cgroup file (default: the first readable of the usual places); ``throttle_ratio``: the
         share of wall time throttled that counts; ``period``: how often the probe wakes (default
-        half the threshold, at most 0.5 s: an episode of threshold + period is always seen, and
-        with the default 2 s deadline the probe wakes twice a second)."""
+        the threshold, at most 1 s: an episode as long as threshold + period, a device call's
+        whole deadline, is always seen; with the default 2 s deadline the probe wakes once a
+        second). Starvation matters for a call stuck ``--hung-after`` (30 s): far longer."""
         self.threshold = threshold
         self.window = window
-        self.period = period if period is not None else min(0.5, threshold / 2)
+        self.period = period if period is not None else min(1.0, threshold)
         self.throttle_ratio = throttle_ratio
         self.throttle_every = throttle_every
         self.clock = clock

@@ -98,7 +98,7 @@ class PodResourcesClient:
         self._backoff = Backoff(BACKOFF_MIN_S, BACKOFF_MAX_S, rng=self._rng.random, min_delay=BACKOFF_MIN_S)
         self._backoff_until = 0.0
         self._last_skipped = 0
-        self._last: tuple[api_pb2.ListPodResourcesResponse, PodResourcesSnapshot] | None = None  # the last List and its conversion
+        self._last: tuple[bytes, PodResourcesSnapshot] | None = None  # the last List answer's bytes and its conversion
 
     # -- public -------------------------------------------------------------------------
 
@@ -110,15 +110,19 @@ class PodResourcesClient:
                 raise KubeletRateLimited(
                     self.socket_path, "backing off after rate limit", self._backoff_until - now
                 )
-            resp = api_pb2.ListPodResourcesResponse.FromString(self._call())
+            data = self._call()
             self._backoff.reset()
             self._backoff_until = 0.0
             last = self._last
-            if last is not None and last[0] == resp:
-                # Pods and their devices rarely change between two Lists: comparing the
-                # messages (in C) costs a fraction of converting them, and the unchanged
-                # snapshot lets the join keep its structure (JoinMemo).
+            if last is not None and last[0] == data:
+                # Pods and their devices rarely change between two Lists: an answer byte for
+                # byte the same as the last is neither decoded nor converted again, and the
+                # unchanged snapshot lets the join keep its structure (JoinMemo).
                 return last[1]
+            try:
+                resp = api_pb2.ListPodResourcesResponse.FromString(data)
+            except Exception as err:  # protobuf's DecodeError (the cycle's collector logs it, once)
+                raise KubeletError(self.socket_path, f"could not decode List response ({len(data)} bytes): {err}") from None
             try:
                 snap = to_snapshot(resp)
             except Exception as err:  # a converter bug must not kill the sampler thread
@@ -136,7 +140,7 @@ class PodResourcesClient:
                     " or empty device ids",
                 )
                 self._last_skipped = snap.skipped_entries
-            self._last = (resp, snap)
+            self._last = (data, snap)
             return snap
 
     def close(self) -> None:
