@@ -221,6 +221,18 @@ def test_value_changes_are_seen_including_zero_sign_and_nan():
         assert r.render_families([g]).body == generate_latest(Families([g])), v
 
 
+def test_bulk_rows_see_a_zero_change_its_sign():
+    # Claim families are filled with add_rows; rows equal to the last render's (0.0 == -0.0)
+    # must still not reuse the last bytes when a zero changed its sign.
+    r = Renderer()
+    for zero in (0.0, -0.0, 0.0, 0, -0.0, -0.0):
+        g = Gauge("dra_claim_power_watts", "h", labels=["node", "namespace", "claim"])
+        g.add_rows([(("n", "ns", "a"), 1.5), (("n", "ns", "b"), zero), (("n", "ns", "c"), 2)])
+        exp = r.render_families([g])
+        assert exp.body == generate_latest(Families([g])), zero
+        assert exp.openmetrics == om.generate_latest(Families([g])), zero
+
+
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool not found: install Debian's `prometheus` package (CI does)")
 def test_promtool_accepts_the_text_body_with_nasty_labels_after_series_churn():
     ident = DeviceIdentity(uuid='GPU-"x"\\\n日本', vendor=Vendor.NVIDIA, model="H100 \"SXM\"", pci_bus_id="0000:18:00.0", index=0)
