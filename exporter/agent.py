@@ -69,6 +69,7 @@ class ClaimSource(Protocol):
 
     @property
     def last_error(self) -> str | None: ...
+    def due(self, keys: Iterable[tuple[str, str]]) -> bool: ...
     def refresh(self, keys: Iterable[tuple[str, str]]) -> None: ...
     def prune(self, keep: Iterable[tuple[str, str]]) -> None: ...
     def infos(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], ClaimInfo]: ...
@@ -415,7 +416,10 @@ class Agent:
     def _claims(self, cache: ClaimSource, keys: list[tuple[str, str]]) -> dict[tuple[str, str], ClaimInfo]:
         slow = ""
         try:
-            self.api_runner.call("claims", lambda: cache.refresh(keys), self._api_deadline())
+            # Claims rarely change (a new allocation is a new claim): the lane is woken only
+            # when one is missing or expired, not on every cycle.
+            if cache.due(keys):
+                self.api_runner.call("claims", lambda: cache.refresh(keys), self._api_deadline())
         except CallHung as e:
             # The fetch goes on in the background and fills the cache; use what it has now.
             slow = f"ResourceClaims: API too slow ({e})"

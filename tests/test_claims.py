@@ -93,11 +93,16 @@ def test_refresh_fetches_only_missing_or_expired():
         for name in ("a", "b", "c"):
             server.apply(claim_obj(name))
         cache = ClaimCache(client_for(server), ttl=30.0, clock=clock)
+        assert cache.due([("ml", "a")])
         cache.refresh([("ml", "a"), ("ml", "b")])
         assert claim_gets(server) == 2
+        assert not cache.due([("ml", "a"), ("ml", "b")]) and not cache.due([])
         clock.advance(10.0)
+        assert cache.due([("ml", "a"), ("ml", "c")])
         cache.refresh([("ml", "a"), ("ml", "b"), ("ml", "c"), ("ml", "c")])
         assert claim_gets(server) == 3 and claim_gets(server, "c") == 1
+        clock.advance(25.0)
+        assert cache.due([("ml", "a")]) and not cache.due([("ml", "c")])  # a expired at 30 s, c at 40 s
         every = [("ml", "a"), ("ml", "b"), ("ml", "c")]
         assert set(cache.infos(every)) == set(every)
         cache.prune([("ml", "c")])

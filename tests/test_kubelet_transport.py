@@ -175,3 +175,20 @@ def test_an_answer_that_is_no_list_response_is_a_kubelet_error(sock: str) -> Non
         assert type(info.value) is KubeletError
     finally:
         server.stop(None)
+
+
+def test_the_agent_never_imports_grpcio() -> None:
+    # grpcio is the simulated kubelet's server; the agent's own process must not load it (its
+    # import alone is ~17 MB of RSS). api_pb2_grpc, the generated service stubs, are test-only.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import exporter.cli, exporter.wiring, exporter.agent, exporter.kubelet.client; "
+        "from exporter.config import Config; from exporter.wiring import build_agent; "
+        "build_agent(Config(node_name='n', backend='nvml', kubelet_socket='/nonexistent/kubelet.sock', kubeconfig='', listen_port=0)); "
+        "print(sorted(m for m in sys.modules if m == 'grpc' or m.startswith('grpc.') or m.endswith('_pb2_grpc')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

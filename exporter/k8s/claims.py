@@ -121,6 +121,13 @@ class ClaimCache:
                 self._stats.stale_served += 1
         return entry.info if entry else None
 
+    def due(self, keys: Iterable[ClaimKey]) -> bool:
+        """Whether any of ``keys`` is missing or expired, without I/O: the agent calls
+        :meth:`refresh` (on a deadline lane) only then, not on every cycle."""
+        now = self._clock()
+        with self._lock:
+            return any(self._due_locked(k, now) for k in keys)
+
     def refresh(self, keys: Iterable[ClaimKey]) -> None:
         """Fetch those of ``keys`` that are missing or expired (one call per collection cycle)."""
         now = self._clock()
