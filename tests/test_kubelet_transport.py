@@ -133,17 +133,17 @@ class RawServer:
 
 
 @pytest.mark.parametrize(
-    ("reply", "error"),
+    ("reply", "timeout", "error"),
     [
-        (b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n", "UNAVAILABLE"),  # an HTTP/1 server
-        (b"", "closed by the server"),  # accepts and hangs up
-        (None, "no answer within 0.3s"),  # accepts and never answers
+        (b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n", 10.0, "UNAVAILABLE"),  # an HTTP/1 server
+        (b"", 10.0, "closed by the server"),  # accepts and hangs up
+        (None, 0.3, "no answer within 0.3s"),  # accepts and never answers
     ],
 )
-def test_a_peer_that_is_no_grpc_server_is_unavailable_not_a_hang(sock: str, reply: bytes | None, error: str) -> None:
+def test_a_peer_that_is_no_grpc_server_is_unavailable_not_a_hang(sock: str, reply: bytes | None, timeout: float, error: str) -> None:
     server = RawServer(sock, reply)
     try:
-        with PodResourcesClient(sock, timeout=0.3) as c, pytest.raises(KubeletUnavailable, match=error) as info:
+        with PodResourcesClient(sock, timeout=timeout) as c, pytest.raises(KubeletUnavailable, match=error) as info:
             c.list()
         assert sock in str(info.value)
     finally:
