@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # fork() in the load generator makes gRPC chatty
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # the kubelet emulation's gRPC core logs to stderr by itself
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
@@ -120,7 +120,7 @@ def _scraper(url: str, n: int, q: mp.Queue) -> None:
 
 
 def _load(url: str, concurrency: int, per_client: int) -> list[float]:
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("forkserver")  # not fork: see _START in bench/scrape_attack.py
     q = ctx.Queue()
     procs = [ctx.Process(target=_scraper, args=(url, per_client, q)) for _ in range(concurrency)]
     for p in procs:
