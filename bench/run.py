@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from scrape_attack import LOAD_START_METHOD  # noqa: E402
+
 from drasim.backend import SimClock  # noqa: E402
 from drasim.scenario import parse_scenario  # noqa: E402
 from exporter.config import Config, TaintMode  # noqa: E402
@@ -120,7 +122,7 @@ def _scraper(url: str, n: int, q: mp.Queue) -> None:
 
 
 def _load(url: str, concurrency: int, per_client: int) -> list[float]:
-    ctx = mp.get_context("forkserver")  # not fork: see _START in bench/scrape_attack.py
+    ctx = mp.get_context(LOAD_START_METHOD)  # not fork: see bench/scrape_attack.py
     q = ctx.Queue()
     procs = [ctx.Process(target=_scraper, args=(url, per_client, q)) for _ in range(concurrency)]
     for p in procs:

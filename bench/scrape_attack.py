@@ -21,7 +21,7 @@ from collections.abc import Callable
 # Load processes start from multiprocessing's fork server, not by fork(): this process runs
 # threads (the agent, grpcio's server for the kubelet emulation), and a child forked while one
 # of them holds a lock can hang; once a scraper did, with grpcio's threads restarted in it.
-_START = "forkserver"
+LOAD_START_METHOD = "forkserver"
 
 
 def _scraper(host: str, port: int, path: str, n: int, q: mp.Queue) -> None:
@@ -46,7 +46,7 @@ def _scraper(host: str, port: int, path: str, n: int, q: mp.Queue) -> None:
 
 
 def _load(host: str, port: int, path: str, concurrency: int, per_client: int) -> tuple[list[float], int]:
-    ctx = mp.get_context(_START)
+    ctx = mp.get_context(LOAD_START_METHOD)
     q = ctx.Queue()
     procs = [ctx.Process(target=_scraper, args=(host, port, path, per_client, q)) for _ in range(concurrency)]
     for p in procs:
@@ -150,7 +150,7 @@ def _flooder(host: str, port: int, threads: int, stop: mp.Event) -> None:
 def bench(node_factory: Callable, scenario: dict, pct: Callable, results: dict, requests: int = 2000, idle: int = 3000, slow: int = 300, bombs: int = 20, flood_threads: int = 16) -> None:
     node = node_factory(scenario)
     node.start()
-    ctx = mp.get_context(_START)
+    ctx = mp.get_context(LOAD_START_METHOD)
     try:
         server = node.agent.server
         server.serve_static(server._exposition.gzipped)

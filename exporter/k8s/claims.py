@@ -110,7 +110,7 @@ class ClaimCache:
     def get(self, namespace: str, name: str) -> ClaimInfo | None:
         """The claim, fetched if missing or expired; a stale copy when the API is down."""
         key = (namespace, name)
-        if self._needs_fetch(key, self._clock()):
+        if self.due([key]):
             self._fetch_many([key])
         else:
             with self._lock:
@@ -170,10 +170,6 @@ class ClaimCache:
         return self._version
 
     # ------------------------------------------------------------------ internals
-
-    def _needs_fetch(self, key: ClaimKey, now: float) -> bool:
-        with self._lock:
-            return self._due_locked(key, now)
 
     def _due_locked(self, key: ClaimKey, now: float) -> bool:
         """Missing or expired (the caller holds ``_lock``)."""

@@ -158,9 +158,10 @@ class PodResourcesClient:
     def _call(self) -> bytes:
         """The List answer's bytes, on the kept connection or a new one."""
         for attempt in (1, 2):
-            conn = self._ensure_connection()
-            reused = self._conn_used
+            reused = False
             try:
+                conn = self._ensure_connection()  # connecting can fail like a call (TransportError)
+                reused = self._conn_used
                 data = conn.call(LIST_METHOD, _LIST_REQUEST, self.timeout)
             except GrpcStatus as err:
                 self._conn_used = True
@@ -197,12 +198,7 @@ class PodResourcesClient:
             log.info("kubelet_socket_replaced", socket=path)
             self._drop()
         if self._conn is None:
-            try:
-                self._conn = UnaryConnection(path, self.timeout, MAX_RECEIVE_MESSAGE_LENGTH)
-            except TransportError as err:
-                if err.timed_out:
-                    raise KubeletUnavailable(path, f"no answer within {self.timeout:g}s") from None
-                raise KubeletUnavailable(path, f"UNAVAILABLE: cannot connect: {err}") from None
+            self._conn = UnaryConnection(path, self.timeout, MAX_RECEIVE_MESSAGE_LENGTH)
             self._conn_file = file_id
             self._conn_used = False
         return self._conn

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import socket
 import time
+from typing import NoReturn
 from urllib.parse import unquote
 
 import h2.config
@@ -82,7 +83,7 @@ class UnaryConnection:
             raise TransportError(f"no connection within {timeout:g}s", timed_out=True) from None
         except OSError as err:
             sock.close()
-            raise TransportError(err.strerror or str(err)) from None
+            raise TransportError(f"cannot connect: {err.strerror or err}") from None
         self._sock = sock
         # Our request headers are constants, valid and lower-case: h2 need not check and normalise
         # them on every call. What the server sends is still validated.
@@ -118,7 +119,7 @@ class UnaryConnection:
             except OSError as err:
                 self._fail(f"send failed: {err.strerror or err}")
 
-    def _fail(self, message: str, *, timed_out: bool = False) -> None:
+    def _fail(self, message: str, *, timed_out: bool = False) -> NoReturn:
         self.close()
         raise TransportError(message, timed_out=timed_out)
 

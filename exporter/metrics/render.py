@@ -356,20 +356,19 @@ class SnapshotCollector(Collector):
             r: DeviceReading | None = d.reading
             if r is None or not r.ok:
                 continue
-            if extra:
-                # label tuples made once per device, not once per sample
-                keys = [(node, i.uuid, *ls) for ls in compat.get(i.uuid, [empty])]
-                for name, attr, scale in _READING_GAUGES:
-                    v = getattr(r, attr)
-                    if v is not None:
-                        value = float(v) * scale
-                        rows[name].extend((key, value) for key in keys)
-            else:
-                key = (node, i.uuid)
-                for name, attr, scale in _READING_GAUGES:
-                    v = getattr(r, attr)
-                    if v is not None:
-                        rows[name].append((key, float(v) * scale))
+            key = (node, i.uuid)
+            # dcgm-compat label tuples made once per device, not once per sample; without them a
+            # sample is appended directly (a generator per sample was 1,368 set-ups a cycle)
+            keys = [(node, i.uuid, *ls) for ls in compat.get(i.uuid, [empty])] if extra else None
+            for name, attr, scale in _READING_GAUGES:
+                v = getattr(r, attr)
+                if v is None:
+                    continue
+                value = float(v) * scale
+                if keys is None:
+                    rows[name].append((key, value))
+                else:
+                    rows[name].extend([(k, value) for k in keys])
             if r.ecc_correctable_total is not None:
                 ecc.append(((node, i.uuid, "correctable"), r.ecc_correctable_total))
             if r.ecc_uncorrectable_total is not None:
