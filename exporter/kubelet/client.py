@@ -194,6 +194,8 @@ class PodResourcesClient:
             raise KubeletUnavailable(path, "path exists but is not a unix socket")
 
         file_id = (st.st_dev, st.st_ino, st.st_ctime_ns)
+        if self._conn is not None and self._conn.closed:
+            self._drop()  # the server went away after answering (a graceful GOAWAY)
         if self._conn is not None and file_id != self._conn_file:
             log.info("kubelet_socket_replaced", socket=path)
             self._drop()
