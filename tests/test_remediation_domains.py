@@ -279,6 +279,37 @@ def test_the_remediator_thread_raises_after_the_settle_window_by_itself(make_rig
     wait_until(lambda: rig.effects() == {"gpu-2": "NoExecute"}, timeout=20, message="the raise after the settle window")
 
 
+def test_a_quiet_node_asks_for_no_pass_per_cycle_and_a_fault_still_wakes_the_remediator(make_rig):
+    """Every device healthy, no rule held: a cycle's snapshot asks for no pass (at a 1 s interval
+    that pass was a tenth of an 8-GPU node's CPU); a health change asks at once, and while a
+    rule stands every cycle asks again (holds and step-downs are timed)."""
+    slices, ids = plain_gpus(4)
+    rig = make_rig(slices, ids)
+    snap = join(JoinInputs(node=NODE, timestamp=rig.clock(), identities=tuple(ids), readings={}, health={}))
+    rig.clean()
+    rig.reconcile()
+    assert rig.rem.quiet and rig.effects() == {}
+    rig.reconcile()  # the thread's own pass, as after a poke: asks for nothing more
+    rig.rem.update(snap)
+    assert not rig.rem.pass_pending
+    rig.xid(ids[1].uuid)  # the health engine's subscription, not the next cycle
+    assert rig.rem.pass_pending
+    rig.reconcile()
+    assert not rig.rem.quiet and rig.effects() == {"gpu-1": "NoSchedule"}
+    rig.reconcile()
+    rig.rem.update(snap)
+    assert rig.rem.pass_pending
+    # new devices (a MIG layout change, a GPU back) ask for a pass even on a quiet node
+    slices, other_ids = plain_gpus(2)
+    quiet = make_rig(slices, other_ids)
+    quiet.clean()
+    quiet.reconcile()
+    assert quiet.rem.quiet
+    quiet.reconcile()
+    quiet.rem.update(join(JoinInputs(node=NODE, timestamp=quiet.clock(), identities=tuple(other_ids[:1]), readings={}, health={})))
+    assert quiet.rem.pass_pending
+
+
 # ------------------------------------------------------------------------------ no amnesia
 
 
