@@ -807,6 +807,48 @@ def test_a_graceful_goaway_lets_the_call_in_flight_finish(server: Server, where:
             call(conn)
 
 
+@pytest.mark.parametrize("status", [0, 8])  # an answer, and a trailers-only RESOURCE_EXHAUSTED
+def test_a_reset_after_a_complete_answer_changes_nothing(server: Server, status: int) -> None:
+    # grpc-go resets a stream whose request it had not read to the end when it writes the
+    # status (RFC 9113 8.1 allows it), trailers and RST_STREAM(NO_ERROR) in one write: the
+    # answer is whole and stands (a rate limit must stay a rate limit, not "unavailable").
+    message = message_of(100)
+
+    def answer(peer: Peer, sid: int) -> None:
+        if status:
+            peer.headers(sid, [*OK_HEADERS, (b"grpc-status", b"%d" % status), (b"grpc-message", b"slow down")], end_stream=True)
+        else:
+            peer.headers(sid)
+            peer.data(sid, grpc_body(message))
+            peer.trailers(sid)
+        peer.raw(frame(RST_STREAM, 0, sid, struct.pack(">I", 0)))
+        peer.flush()
+
+    server.answer = answer
+    with connect(server) as conn:
+        for _ in range(2):
+            if status:
+                with pytest.raises(GrpcStatus, match="RESOURCE_EXHAUSTED: slow down"):
+                    call(conn)
+            else:
+                assert call(conn) == message
+
+
+def test_a_header_block_that_never_ends_is_refused_before_it_fills_memory(server: Server) -> None:
+    # HEADERS without END_HEADERS, then CONTINUATION frames without end: refused once the block
+    # passes the transport's cap (256 KiB), long before the deadline; the server then hangs on.
+    def answer(peer: Peer, sid: int) -> None:
+        peer.raw(frame(HEADERS, 0, sid, b"\x88"))  # :status 200, and more to come
+        for _ in range(64):  # 1 MiB
+            peer.raw(frame(CONTINUATION, 0, sid, b"\x00" * MAX_FRAME))
+        peer.flush()
+
+    server.answer = answer
+    with connect(server) as conn, pytest.raises(TransportError, match="header block larger than") as info:
+        conn.call(PATH, REQUEST, 60)  # without the cap: "no answer within 60s"
+    assert not info.value.timed_out
+
+
 def test_the_kubelet_client_moves_to_a_new_connection_after_a_graceful_goaway(server: Server) -> None:
     # The same through PodResourcesClient: the List after a graceful GOAWAY is made on a new
     # connection at once, without a failed call in between.

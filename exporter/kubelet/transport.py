@@ -68,6 +68,7 @@ END_STREAM = ACK = 0x1
 END_HEADERS, PADDED, PRIORITY_FLAG = 0x4, 0x8, 0x20
 SETTINGS_ENABLE_PUSH, SETTINGS_INITIAL_WINDOW_SIZE = 0x2, 0x4
 MAX_FRAME = 16384  # the default SETTINGS_MAX_FRAME_SIZE, both ways: we never announce another
+MAX_HEADER_BLOCK = 256 * 1024  # a header block (with its CONTINUATIONs) kept before decoding, at most
 MAX_WINDOW = 2**31 - 1
 DEFAULT_WINDOW = 65535
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -233,6 +234,7 @@ class UnaryConnection:
             block = self._headers[(path, timeout)] = request_headers(path, timeout)
         call = self._call = _Call(stream)
         self._send_window -= len(message)
+        self._sock.settimeout(timeout)  # the request is sent within the call's deadline too
         self._sendall(frame(HEADERS, END_HEADERS, stream, block) + frame(DATA, END_STREAM, stream, message))
         sock = self._sock
         while not call.ended:
@@ -300,7 +302,9 @@ class UnaryConnection:
         if self._block is not None and (kind != CONTINUATION or stream != self._block[0]):
             self._protocol_error("a header block was interrupted by another frame")
         call = self._call
-        ours = call is not None and stream == call.stream
+        # Frames for a stream that has ended (a grpc-go server may reset it, with NO_ERROR, right
+        # after the trailers: RFC 9113 8.1) or for an older stream change nothing for the call.
+        ours = call is not None and stream == call.stream and not call.ended
         if kind == DATA:
             if not stream:
                 self._protocol_error("DATA on stream 0")
@@ -330,6 +334,8 @@ class UnaryConnection:
             if self._block is None:
                 self._protocol_error("CONTINUATION without a header block")
             self._block[2].extend(payload)
+            if len(self._block[2]) > MAX_HEADER_BLOCK:  # endless CONTINUATIONs: memory, not headers
+                self._protocol_error(f"a header block larger than {MAX_HEADER_BLOCK} bytes")
             if flags & END_HEADERS:
                 self._end_block()
         elif kind == SETTINGS:
@@ -386,7 +392,7 @@ class UnaryConnection:
         except hpack.exceptions.HPACKError as err:
             self._protocol_error(f"undecodable header block ({err})")
         call = self._call
-        if call is None or stream != call.stream:
+        if call is None or stream != call.stream or call.ended:
             return
         if call.headers is None:
             call.headers = list(headers)  # raw=True: (bytes, bytes) pairs
