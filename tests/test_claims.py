@@ -109,6 +109,42 @@ def test_refresh_fetches_only_missing_or_expired():
         assert set(cache.infos(every)) == {("ml", "c")}
 
 
+def test_the_same_keys_every_cycle_still_see_every_change():
+    """The agent asks due/prune/infos for the same keys every cycle, and the cache answers
+    from memos while nothing changed: expiry, a fetch, a prune and an outage still show."""
+    clock = ManualClock()
+    with running_apiserver("1.34") as server:
+        for name in ("a", "b"):
+            server.apply(claim_obj(name, device=f"gpu-{name}"))
+        cache = ClaimCache(client_for(server), ttl=30.0, negative_ttl=5.0, clock=clock)
+        both = [("ml", "a"), ("ml", "b")]
+
+        def cycle(keys):  # what Agent._claims does, in its order, with a fresh list each time
+            if cache.due(list(keys)):
+                cache.refresh(list(keys))
+            cache.prune(list(keys))
+            return cache.infos(list(keys))
+
+        first = cycle(both)
+        assert {k: i.devices[0].device for k, i in first.items()} == {("ml", "a"): "gpu-a", ("ml", "b"): "gpu-b"}
+        assert cycle(both) is first and not cache.due(list(both))  # nothing changed: the same answer
+        server.apply(claim_obj("a", device="gpu-z"))
+        clock.advance(31.0)  # both expired: no change to the cache, only time
+        assert cache.due(list(both))
+        assert cycle(both)[("ml", "a")].devices[0].device == "gpu-z"
+        assert not cache.due(list(both))
+        cache.prune([("ml", "a")])  # b's pod is gone
+        assert cache.entry("ml", "b") is None
+        assert cache.due(list(both))  # b is missing again
+        assert set(cycle([("ml", "a")])) == {("ml", "a")}
+        server.delete("resource.k8s.io", "resourceclaims", "b", namespace="ml")
+        assert set(cycle(both)) == {("ml", "a")}  # not found: no info, remembered briefly
+        assert not cache.due(list(both))
+        clock.advance(6.0)
+        server.apply(claim_obj("b", device="gpu-b"))
+        assert set(cycle(both)) == set(both)
+
+
 def test_outage_serves_stale_copies_and_pauses_fetching():
     clock = ManualClock()
     with running_apiserver("1.34") as server:

@@ -102,6 +102,14 @@ class ClaimCache:
         # per-entry lifetime, jittered so claims fetched together do not all expire together
         self._expires: dict[ClaimKey, float] = {}
         self._paused_until = 0.0
+        # The agent asks due/prune/infos for the node's same few hundred claims every cycle;
+        # while no entry changed, the answers are too. Each memo holds the keys it answered for
+        # and the change count it saw. (An expiry is a time, not a change: due() keeps the
+        # earliest one.)
+        self._changes = 0  # bumped by every change to _entries or _expires
+        self._due_memo: tuple[list[ClaimKey], int, float] | None = None  # (keys, changes, earliest expiry)
+        self._pruned_for: tuple[list[ClaimKey], int] | None = None
+        self._infos_memo: tuple[list[ClaimKey], int, dict[ClaimKey, ClaimInfo]] | None = None
         self._stats = ClaimStats()
         self._last_error: str | None = None
 
@@ -125,8 +133,14 @@ class ClaimCache:
         """Whether any of ``keys`` is missing or expired, without I/O: the agent calls
         :meth:`refresh` (on a deadline lane) only then, not on every cycle."""
         now = self._clock()
+        keys = keys if isinstance(keys, list) else list(keys)
         with self._lock:
-            return any(self._due_locked(k, now) for k in keys)
+            memo = self._due_memo
+            if memo is None or memo[1] != self._changes or memo[0] != keys:
+                entries, expires = self._entries, self._expires
+                earliest = min((expires.get(k, 0.0) if k in entries else -math.inf for k in keys), default=math.inf)
+                memo = self._due_memo = (list(keys), self._changes, earliest)
+            return now >= memo[2]
 
     def refresh(self, keys: Iterable[ClaimKey]) -> None:
         """Fetch those of ``keys`` that are missing or expired (one call per collection cycle)."""
@@ -142,18 +156,31 @@ class ClaimCache:
             return self._entries.get((namespace, name))
 
     def infos(self, keys: Iterable[ClaimKey]) -> dict[ClaimKey, ClaimInfo]:
-        """The cached claims among ``keys`` that exist, without I/O (one lock for all of them)."""
+        """The cached claims among ``keys`` that exist, without I/O (one lock for all of them).
+        While nothing changed, the same mapping as last time: callers must not modify it."""
+        keys = keys if isinstance(keys, list) else list(keys)
         with self._lock:
-            entries = [(k, self._entries.get(k)) for k in keys]
-        return {k: e.info for k, e in entries if e is not None and e.info is not None}
+            memo = self._infos_memo
+            if memo is None or memo[1] != self._changes or memo[0] != keys:
+                entries = [(k, self._entries.get(k)) for k in keys]
+                infos = {k: e.info for k, e in entries if e is not None and e.info is not None}
+                memo = self._infos_memo = (list(keys), self._changes, infos)
+            return memo[2]
 
     def prune(self, keep: Iterable[ClaimKey]) -> None:
         """Forget claims no longer referenced, so the cache tracks the node's pods."""
-        keep_set = set(keep)
+        keep = keep if isinstance(keep, list) else list(keep)
         with self._lock:
-            for key in [k for k in self._entries if k not in keep_set]:
+            done = self._pruned_for
+            if done is not None and done[1] == self._changes and done[0] == keep:
+                return  # pruned to these keys, and nothing was added since
+            keep_set = set(keep)
+            gone = [k for k in self._entries if k not in keep_set]
+            for key in gone:
                 self._entries.pop(key, None)
                 self._expires.pop(key, None)
+            self._changes += bool(gone)
+            self._pruned_for = (list(keep), self._changes)
 
     @property
     def last_error(self) -> str | None:
@@ -243,6 +270,7 @@ class ClaimCache:
                     self._stats.errors += 1
                     self._last_error = str(exc)
                     self._expires[key] = self._clock() + self.negative_ttl
+                    self._changes += 1
                 continue
             try:
                 info = parse_claim(obj, version)
@@ -276,6 +304,7 @@ class ClaimCache:
         with self._lock:
             self._entries[key] = ClaimEntry(info=info, fetched_at=now, stale=False, error=error)
             self._expires[key] = now + ttl * (0.8 + 0.2 * random.random()) if math.isfinite(ttl) else math.inf
+            self._changes += 1
 
     def _mark_stale_locked(self, keys: Iterable[ClaimKey], error: str) -> None:
         """Keep the last good copies of ``keys`` and flag them. Caller holds the lock."""
@@ -283,6 +312,7 @@ class ClaimCache:
             old = self._entries.get(key)
             if old is not None and not old.stale:
                 self._entries[key] = replace(old, stale=True, error=error)
+                self._changes += 1
 
     def _outage(self, keys: list[ClaimKey], error: str, retry_after: float | None) -> None:
         delay = self._backoff.next_delay(retry_after)

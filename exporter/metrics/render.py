@@ -207,9 +207,10 @@ def _fam(name: str, extra_labels: tuple[str, ...] = ()) -> Gauge | Counter:
             proto = Gauge(name, d.help, labels=labels)
         _PROTOTYPES[(name, extra_labels)] = proto
     fam = object.__new__(type(proto))
-    fam.__dict__.update(proto.__dict__)  # name, documentation, unit, type, label names
-    fam.samples = []
-    fam._init_rows()
+    attrs = fam.__dict__
+    attrs.update(proto.__dict__)  # name, documentation, unit, type, label names; no rows, not plain
+    attrs["_samples"] = []  # (what the samples setter and _init_rows would do, without the calls)
+    attrs["_rows"] = []
     return fam
 
 
