@@ -190,8 +190,10 @@ class UnaryConnection:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            try:  # GOAWAY, no error (the server started no stream): the polite end; best effort, the peer may be gone
-                self._sock.sendall(frame(GOAWAY, 0, 0, bytes(8)))
+            try:  # GOAWAY, no error (the server started no stream): the polite end. Best effort and
+                # never blocking: the peer may be gone, or stuck and not reading.
+                self._sock.setblocking(False)
+                self._sock.send(frame(GOAWAY, 0, 0, bytes(8)))
             except OSError:
                 pass
             self._sock.close()

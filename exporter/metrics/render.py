@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gzip
 import math
+import operator
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -36,7 +37,7 @@ from prometheus_client.utils import floatToGoString
 
 from .. import __version__
 from ..catalog import BY_NAME
-from ..devices.model import DeviceIdentity, DeviceReading
+from ..devices.model import DeviceIdentity
 from ..model.snapshot import AllocationView, Snapshot
 from .webstats import HttpStats
 
@@ -98,6 +99,9 @@ class RenderState:
     http: HttpStats | None = None  # the HTTP server's own counters (team endpoint); None when not serving
 
 
+_second = operator.itemgetter(1)  # a row's value
+
+
 class _RowFamily:
     """A prometheus_client family that records ``add_metric`` calls as (labels, value) rows.
 
@@ -142,8 +146,10 @@ class _RowFamily:
             return
         start = len(self._rows)
         self._rows.extend(rows)
-        # -0.0 is a zero: only rows with a zero value need the sign looked at
-        if any(value.__class__ is float and math.copysign(1.0, value) < 0 for value in [v for _, v in self._rows[start:] if not v]):
+        # -0.0 is a zero: only a family with a zero value needs signs looked at, and whether it
+        # has one is asked in C (map, then the list's own ==): most families have none.
+        values = list(map(_second, self._rows[start:]))
+        if 0 in values and any(v.__class__ is float and not v and math.copysign(1.0, v) < 0 for v in values):
             self.negative_zero = True
 
     def _go_plain(self) -> None:
@@ -214,26 +220,27 @@ def _fam(name: str, extra_labels: tuple[str, ...] = ()) -> Gauge | Counter:
     return fam
 
 
-_READING_GAUGES: tuple[tuple[str, str, float], ...] = (
-    ("gpu_utilization_ratio", "utilization_ratio", 1.0),
-    ("gpu_memory_used_bytes", "memory_used_bytes", 1.0),
-    ("gpu_memory_total_bytes", "memory_total_bytes", 1.0),
-    ("gpu_power_watts", "power_watts", 1.0),
-    ("gpu_energy_joules_total", "energy_joules", 1.0),
-    ("gpu_temperature_celsius", "temperature_celsius", 1.0),
-    ("gpu_memory_temperature_celsius", "memory_temperature_celsius", 1.0),
-    ("gpu_sm_clock_hertz", "sm_clock_hertz", 1.0),
-    ("gpu_memory_clock_hertz", "memory_clock_hertz", 1.0),
-    ("gpu_clock_event_reasons", "clock_event_reasons", 1.0),
-    ("gpu_sm_active_ratio", "sm_active_ratio", 1.0),
-    ("gpu_sm_occupancy_ratio", "sm_occupancy_ratio", 1.0),
-    ("gpu_tensor_active_ratio", "tensor_active_ratio", 1.0),
-    ("gpu_dram_active_ratio", "dram_active_ratio", 1.0),
-    ("gpu_retired_pages_total", "retired_pages_total", 1.0),
-    ("gpu_row_remap_pending", "row_remap_pending", 1.0),
-    ("gpu_row_remap_failure", "row_remap_failure", 1.0),
-    ("gpu_pcie_replay_total", "pcie_replay_total", 1.0),
-    ("gpu_recovery_action", "recovery_action", 1.0),
+# (family, DeviceReading field): readings are in base units already (exporter.devices.model)
+_READING_GAUGES: tuple[tuple[str, str], ...] = (
+    ("gpu_utilization_ratio", "utilization_ratio"),
+    ("gpu_memory_used_bytes", "memory_used_bytes"),
+    ("gpu_memory_total_bytes", "memory_total_bytes"),
+    ("gpu_power_watts", "power_watts"),
+    ("gpu_energy_joules_total", "energy_joules"),
+    ("gpu_temperature_celsius", "temperature_celsius"),
+    ("gpu_memory_temperature_celsius", "memory_temperature_celsius"),
+    ("gpu_sm_clock_hertz", "sm_clock_hertz"),
+    ("gpu_memory_clock_hertz", "memory_clock_hertz"),
+    ("gpu_clock_event_reasons", "clock_event_reasons"),
+    ("gpu_sm_active_ratio", "sm_active_ratio"),
+    ("gpu_sm_occupancy_ratio", "sm_occupancy_ratio"),
+    ("gpu_tensor_active_ratio", "tensor_active_ratio"),
+    ("gpu_dram_active_ratio", "dram_active_ratio"),
+    ("gpu_retired_pages_total", "retired_pages_total"),
+    ("gpu_row_remap_pending", "row_remap_pending"),
+    ("gpu_row_remap_failure", "row_remap_failure"),
+    ("gpu_pcie_replay_total", "pcie_replay_total"),
+    ("gpu_recovery_action", "recovery_action"),
 )
 
 _LABEL_KEY_RE = re.compile(r"[^a-zA-Z0-9_]")
@@ -344,50 +351,44 @@ class SnapshotCollector(Collector):
         info = _fam("gpu_info")
         info.add_rows(self._info_rows(node, snap))
         up = _fam("gpu_up")
+        up.add_rows([((node, d.identity.uuid), 1 if d.up else 0) for d in snap.devices])
+        read = [((node, d.identity.uuid), d.reading) for d in snap.devices if d.reading is not None and d.reading.ok]
         extra = COMPAT_LABELS if st.dcgm_compat else ()
-        compat = self._compat_rows(snap) if st.dcgm_compat else {}
-        empty = ("",) * len(extra)
-        rows: dict[str, list[Row]] = {name: [] for name, _, _ in _READING_GAUGES}
+        gauges = []
+        if extra:
+            # dcgm-compat: one sample per (device, pod) pair; the label tuples made once per
+            # device, not once per sample
+            compat = self._compat_rows(snap)
+            empty = ("",) * len(extra)
+            keyed = [([(*key, *ls) for ls in compat.get(key[1], [empty])], r) for key, r in read]
+            for name, attr in _READING_GAUGES:
+                g = _fam(name, extra)
+                g.add_rows([(k, v) for keys, r in keyed if (v := getattr(r, attr)) is not None for k in keys])
+                gauges.append(g)
+        else:
+            # One comprehension per family over the devices read (a loop of appends per device
+            # and family cost twice as much). Values go in as read: the exposition prints an int
+            # and its float alike, as prometheus_client does.
+            for name, attr in _READING_GAUGES:
+                g = _fam(name)
+                g.add_rows([(key, v) for key, r in read if (v := getattr(r, attr)) is not None])
+                gauges.append(g)
         ecc: list[Row] = []
         remap: list[Row] = []
-        up_rows: list[Row] = []
-        for d in snap.devices:
-            i = d.identity
-            up_rows.append(((node, i.uuid), 1 if d.up else 0))
-            r: DeviceReading | None = d.reading
-            if r is None or not r.ok:
-                continue
-            key = (node, i.uuid)
-            # dcgm-compat label tuples made once per device, not once per sample; without them a
-            # sample is appended directly (a generator per sample was 1,368 set-ups a cycle)
-            keys = [(node, i.uuid, *ls) for ls in compat.get(i.uuid, [empty])] if extra else None
-            for name, attr, scale in _READING_GAUGES:
-                v = getattr(r, attr)
-                if v is None:
-                    continue
-                value = float(v) * scale
-                if keys is None:
-                    rows[name].append((key, value))
-                else:
-                    rows[name].extend([(k, value) for k in keys])
+        for key, r in read:
+            uuid = key[1]
             if r.ecc_correctable_total is not None:
-                ecc.append(((node, i.uuid, "correctable"), r.ecc_correctable_total))
+                ecc.append(((node, uuid, "correctable"), r.ecc_correctable_total))
             if r.ecc_uncorrectable_total is not None:
-                ecc.append(((node, i.uuid, "uncorrectable"), r.ecc_uncorrectable_total))
+                ecc.append(((node, uuid, "uncorrectable"), r.ecc_uncorrectable_total))
             if r.remapped_rows_correctable is not None:
-                remap.append(((node, i.uuid, "correctable"), r.remapped_rows_correctable))
+                remap.append(((node, uuid, "correctable"), r.remapped_rows_correctable))
             if r.remapped_rows_uncorrectable is not None:
-                remap.append(((node, i.uuid, "uncorrectable"), r.remapped_rows_uncorrectable))
-        gauges = []
-        for name, _, _ in _READING_GAUGES:
-            g = _fam(name, extra)
-            g.add_rows(rows[name])
-            gauges.append(g)
+                remap.append(((node, uuid, "uncorrectable"), r.remapped_rows_uncorrectable))
         ecc_fam = _fam("gpu_ecc_errors_total")
         ecc_fam.add_rows(ecc)
         remap_fam = _fam("gpu_remapped_rows_total")
         remap_fam.add_rows(remap)
-        up.add_rows(up_rows)
         yield info
         yield up
         yield from gauges
