@@ -353,11 +353,20 @@ def bench_xid(samples: int = 200) -> None:
             node.agent.health.on_event(DeviceEvent(uuid=g.uuid, kind=EventKind.XID, code=79))
             wait_until(lambda: any((r.get("spec") or {}).get("deviceSelector", {}).get("device") == dev for r in node.cluster.api.list("resource.k8s.io", "devicetaintrules")), timeout=10, interval=0.0005)  # noqa: B023 - polled in this iteration
             lat.append(time.perf_counter() - t0)
-            # clear: reset the GPU and delete the rule directly, so the next sample starts clean
+            # clear: reset the GPU (and forget its failure history, or it turns sticky after 3)
+            # and delete the rule directly, so the next sample starts clean
             node.agent.health.on_event(DeviceEvent(uuid=g.uuid, kind=EventKind.RESET))
             node.agent.health._state.pop(g.uuid, None)
             for r in node.cluster.api.list("resource.k8s.io", "devicetaintrules"):
                 node.cluster.api.delete("resource.k8s.io", "devicetaintrules", r["metadata"]["name"])
+            # Let the remediator see the deletion before its memory of it is wiped: its rule
+            # watch must be empty (no late adoption), then one whole pass (which takes note of
+            # "deleted by someone"). Otherwise that note can land after the wipe, and the same
+            # GPU's next XID is not "new evidence" (seen as a timeout in a benchmark run).
+            wait_until(lambda: not rem.owned_rules.objects(), timeout=10, interval=0.0005)
+            passes = rem.passes
+            rem.poke()
+            wait_until(lambda: rem.passes > passes, timeout=10, interval=0.0005)  # noqa: B023 - polled in this iteration
             with rem._lock:
                 rem.owned.clear()
             rem._admin_deleted.clear()
