@@ -522,24 +522,21 @@ class Exposition:
     __slots__ = ("_done", "_lock", "_parts", "gzip_level")
 
     def __init__(self, body: bytes, openmetrics: bytes | None = None, gzip_level: int = GZIP_LEVEL, gzipped: bytes | None = None, openmetrics_gzipped: bytes | None = None) -> None:
-        self.gzip_level = gzip_level
-        self._done: dict[str, bytes] = {"body": body, "openmetrics": openmetrics if openmetrics is not None else body}
-        if gzipped is not None:
-            self._done["gzipped"] = gzipped
-        if openmetrics_gzipped is not None:
-            self._done["openmetrics_gzipped"] = openmetrics_gzipped
-        self._parts: dict[str, list[str]] = {}
-        self._lock = threading.RLock()  # a gzipped body first joins its body, under the same lock
+        done = {"body": body, "openmetrics": openmetrics if openmetrics is not None else body, "gzipped": gzipped, "openmetrics_gzipped": openmetrics_gzipped}
+        self._setup(gzip_level, {k: v for k, v in done.items() if v is not None}, {})
 
     @classmethod
     def of_parts(cls, text: list[str], openmetrics: list[str], gzip_level: int = GZIP_LEVEL) -> Exposition:
         """The exposition whose bodies are these strings joined (UTF-8), when first asked for."""
         exp = cls.__new__(cls)
-        exp.gzip_level = gzip_level
-        exp._done = {}
-        exp._parts = {"body": text, "openmetrics": openmetrics}
-        exp._lock = threading.RLock()
+        exp._setup(gzip_level, {}, {"body": text, "openmetrics": openmetrics})
         return exp
+
+    def _setup(self, gzip_level: int, done: dict[str, bytes], parts: dict[str, list[str]]) -> None:
+        self.gzip_level = gzip_level
+        self._done = done  # bodies (and gzipped forms) made so far
+        self._parts = parts  # the pieces of the bodies not joined yet
+        self._lock = threading.RLock()  # a gzipped body first joins its body, under the same lock
 
     def _get(self, which: str) -> bytes:
         data = self._done.get(which)
