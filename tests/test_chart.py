@@ -40,6 +40,9 @@ TOGGLES: dict[str, dict[str, Any]] = {
     "service-monitor": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}}},
     "pod-monitor": {"podMonitor": {"enabled": True}, "service": {"enabled": False}},
     "prometheus-rule": {"prometheusRule": {"enabled": True, "labels": {"release": "kps"}}},
+    "dcgm-compat-4.8": {"dcgmCompat": {"generation": "4.8"}},
+    "dcgm-compat-4.9": {"dcgmCompat": {"generation": 4.9}, "prometheusRule": {"labels": {"release": "kps"}}},
+    "dcgm-compat-both": {"dcgmCompat": {"generation": "both"}, "prometheusRule": {"enabled": True}},
     "dashboards": {"dashboards": {"enabled": True, "namespace": "monitoring"}},
     "kube-rbac-proxy": {"kubeRbacProxy": {"enabled": True, "tlsSecretName": "metrics-tls"},
                         "serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}},
@@ -154,8 +157,12 @@ def test_every_render_validates_strictly(toggle: str) -> None:
         {"admissionPolicy": {"gpuDrivers": []}},
         {"budget": {"fraction": 2}},
         {"serviceMonitor": {"enabled": True, "interval": "soon"}},
+        {"dcgmCompat": {"generation": "4.7"}},
+        {"dcgmCompat": {"generation": 4.7}},
+        {"dcgmCompat": {"enabled": True}},
     ],
-    ids=["mode", "unknown-key", "unknown-image-key", "no-drivers", "fraction", "interval"],
+    ids=["mode", "unknown-key", "unknown-image-key", "no-drivers", "fraction", "interval", "dcgm-generation",
+         "dcgm-generation-number", "dcgm-unknown-key"],
 )
 def test_schema_rejects_bad_values(values: dict[str, Any]) -> None:
     with pytest.raises(helm_python.HelmError):
@@ -188,6 +195,42 @@ def test_prometheus_rule_holds_the_alerts_files_rules() -> None:
     source = yaml.safe_load((REPO / "alerts" / "dra-gpu-exporter.rules.yml").read_text())
     assert rule["spec"]["groups"] == source["groups"]
     assert rule["metadata"]["labels"]["release"] == "kps"
+
+
+# dcgm-exporter compatibility rules (issue 24): one PrometheusRule per generation, chosen by
+# dcgmCompat.generation, each holding its alerts/ file's groups unchanged.
+DCGM_SETS = {"4.8": ("dra-gpu-exporter-dcgm-compat", "dcgm-compat.rules.yml"),
+             "4.9": ("dra-gpu-exporter-dcgm-compat-4-9", "dcgm-compat-4.9.rules.yml")}
+
+
+def _dcgm_rules(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == "PrometheusRule" and "dcgm-compat" in d["metadata"]["name"]}
+
+
+@pytest.mark.parametrize("toggle,generations", [("defaults", []), ("prometheus-rule", []), ("dcgm-compat-4.8", ["4.8"]),
+                                                ("dcgm-compat-4.9", ["4.9"]), ("dcgm-compat-both", ["4.8", "4.9"])])
+def test_dcgm_compat_generation_selects_the_rule_sets(toggle: str, generations: list[str]) -> None:
+    docs = render_docs(TOGGLES[toggle])
+    found = _dcgm_rules(docs)
+    assert sorted(found) == sorted(DCGM_SETS[g][0] for g in generations)
+    for g in generations:
+        name, file = DCGM_SETS[g]
+        source = yaml.safe_load((REPO / "alerts" / file).read_text())
+        assert found[name]["spec"]["groups"] == source["groups"]
+        assert found[name]["metadata"]["namespace"] == "dra-gpu-exporter"
+        assert found[name]["metadata"]["labels"].get("release") == TOGGLES[toggle].get("prometheusRule", {}).get("labels", {}).get("release")
+    # the agent's own rules stay in their own object, whatever the generation
+    main = [d for d in docs if d["kind"] == "PrometheusRule" and d["metadata"]["name"] == "dra-gpu-exporter"]
+    assert len(main) == int(TOGGLES[toggle].get("prometheusRule", {}).get("enabled", False))
+    assert all("dcgm" not in g["name"] for d in main for g in d["spec"]["groups"])
+
+
+def test_dcgm_compat_refuses_the_same_rules_twice() -> None:
+    # Before dcgmCompat, the docs had users add dcgm-compat.rules.yml to prometheusRule.files.
+    old_way = {"prometheusRule": {"enabled": True, "files": ["dra-gpu-exporter.rules.yml", "dcgm-compat.rules.yml"]}}
+    assert "dra-gpu-exporter.dcgm-compat" in [g["name"] for g in _one(render_docs(old_way), "PrometheusRule")["spec"]["groups"]]
+    with pytest.raises(helm_python.HelmError, match="record the same series twice"):
+        render({**old_way, "dcgmCompat": {"generation": "4.9"}})
 
 
 def test_dashboards_are_configmaps_for_the_grafana_sidecar() -> None:

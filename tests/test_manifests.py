@@ -40,6 +40,8 @@ def load_docs(path: Path) -> list[dict[str, Any]]:
 
 def manifest_files() -> list[Path]:
     files = [REPO / "daemonset.yaml", REPO / "alerts" / "prometheusrule.yaml"]
+    # the dcgm-exporter compatibility rules of both generations (tests/test_dcgm_compat.py checks their rules)
+    files += sorted((REPO / "alerts").glob("dcgm-compat*.prometheusrule.yaml"))
     # deploy/helm holds Go templates, not manifests: test_chart.py validates its renders.
     files += sorted(
         p for p in (REPO / "deploy").rglob("*.yaml") if "patch" not in p.name and "helm" not in p.relative_to(REPO).parts
@@ -139,6 +141,18 @@ def test_manifest_holds_the_whole_install(docs: list[dict[str, Any]]) -> None:
             assert doc["metadata"]["namespace"] == "default", doc["kind"]
         else:
             assert doc["metadata"]["namespace"] == NAMESPACE, doc["kind"]
+
+
+def test_the_dcgm_compat_wrappers_are_one_prometheusrule_each() -> None:
+    wrappers = sorted((REPO / "alerts").glob("dcgm-compat*.prometheusrule.yaml"))
+    assert [p.name for p in wrappers] == ["dcgm-compat-4.9.prometheusrule.yaml", "dcgm-compat.prometheusrule.yaml"]
+    names = set()
+    for path in wrappers:
+        (doc,) = load_docs(path)
+        assert doc["kind"] == "PrometheusRule" and doc["metadata"]["namespace"] == NAMESPACE
+        assert set(doc["spec"]) == {"groups"} and doc["spec"]["groups"]
+        names.add(doc["metadata"]["name"])
+    assert len(names) == len(wrappers)  # applying both must not make one replace the other
 
 
 def test_the_core_manifest_needs_no_crd(docs: list[dict[str, Any]]) -> None:
