@@ -369,7 +369,7 @@ class Flag(Generic[T]):
     demo_parse: Callable[[str, str], T] | None = None  # the demo's parser, where it differs
     commands: tuple[str, ...] = (AGENT, DEMO)  # the commands that take it
     switch: bool = False  # on the command line, the flag alone means true
-    fields: tuple[str, ...] = ()  # Config fields it sets, when not the one of its name (a tuple value fills them in order)
+    fields: tuple[str, ...] = ()  # Config fields a tuple value fills, in order (default: the field of its name)
     shown: str | None = None  # the default in words (Markdown), where the value does not say it
     show: Callable[[T], str] = _show  # the default as text, where _show does not do
     fallback_env: str | None = None  # read when neither the flag nor its own variable gives a value
@@ -400,15 +400,13 @@ class Flag(Generic[T]):
         """(Config field, value) pairs for ``value``."""
         if not self.fields:
             yield self.dest, value
-        elif len(self.fields) == 1:
-            yield self.fields[0], value
         else:
             assert isinstance(value, tuple) and len(value) == len(self.fields), (self.name, value)
             yield from zip(self.fields, value, strict=True)
 
     def default_text(self, command: str) -> str:
         """The default for ``command``, plain text (for --help)."""
-        if self.shown is not None and not (command == DEMO and self.demo is not None):
+        if self.shown is not None:
             return self.shown.replace("`", "")
         return self.show(self.default_for(command))
 
@@ -533,9 +531,8 @@ KUBECONFIG: Flag[str | None] = Flag(
     help="kubeconfig; none found: no Kubernetes API features",
     doc="none found: runs without DRA attribution and remediation; a file that is no kubeconfig is exit 2",
 )
-SCENARIO: Flag[str | None] = Flag(
-    "scenario", parse_scenario, None, commands=(DEMO,), metavar="FILE|NAME",
-    shown="the bundled `mixed-node`",
+SCENARIO = Flag(
+    "scenario", parse_scenario, "mixed-node", commands=(DEMO,), metavar="FILE|NAME",
     help="scenario file (YAML or JSON) or a bundled scenario's name (see --list-scenarios)",
     doc="the demo's node: a scenario file (YAML or JSON, format in [docs/scenarios.md](docs/scenarios.md)) or a bundled scenario by the name "
     "`--list-scenarios` prints",
@@ -582,7 +579,7 @@ class Config:
     hung_after: float = HUNG_AFTER.default
     fault_clear_seconds: float = FAULT_CLEAR_SECONDS.default
     web_config_file: str | None = WEB_CONFIG_FILE.default
-    scenario: str | None = SCENARIO.default
+    scenario: str = SCENARIO.default
     time_scale: float = TIME_SCALE.default
     # Not flags: remediation tunables that tests and benchmarks set.
     taint_rate_window: float = 600.0  # seconds: --taint-rate-limit's window
@@ -612,12 +609,12 @@ def _add_flags(p: argparse.ArgumentParser, command: str) -> None:
     for flag in FLAGS:
         if command not in flag.commands:
             continue
-        help = f"{flag.help} (default {flag.default_text(command)})".replace("%", "%%")
+        text = f"{flag.help} (default {flag.default_text(command)})".replace("%", "%%")  # argparse %-formats help
         if flag.switch:
-            p.add_argument(flag.option, action="store_const", const="true", help=help)
+            p.add_argument(flag.option, action="store_const", const="true", help=text)
         else:
             # Values stay text here: resolve() parses the command line and the environment alike.
-            p.add_argument(flag.option, metavar=flag.metavar, choices=flag.choices or None, help=help)
+            p.add_argument(flag.option, metavar=flag.metavar, choices=flag.choices or None, help=text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -660,7 +657,7 @@ def resolve(ns: argparse.Namespace) -> Config:
             # A value from the environment is reported under its flag's name; say where it came
             # from, or the user looks for a flag that is not on the command line.
             raise ConfigError(f"{e} (from {source})") from None
-    if command == AGENT and not kw["node_name"]:
+    if command == AGENT and not kw["node_name"]:  # none given: the host's, as the kubelet names its node
         kw["node_name"] = socket.gethostname().lower()
     return Config(**kw)
 
