@@ -10,6 +10,6 @@ KUBELET_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 NVIDIA_DRIVER = "gpu.nvidia.com"
 AMD_DRIVER = "gpu.amd.com"
 
-# (connect, read) seconds for one Kubernetes API request that is not a watch: short enough that
-# an unreachable API server costs a cycle little, long enough for a busy one to answer.
+# (connect, read) seconds for one Kubernetes API request that is not a watch (rule, budget and
+# event writes, version and node reads).
 API_TIMEOUT = (3.0, 5.0)
