@@ -31,7 +31,7 @@ from . import objects
 from .apiserver import FakeApiServer
 from .backend import SimClock
 from .node import SimulatedNode
-from .scenario import PodSpec, Scenario, ScenarioError, bundled_scenarios, default_scenario, find_scenario, load_scenario
+from .scenario import PodSpec, Scenario, ScenarioError, bundled_scenarios, find_scenario, load_scenario
 
 if TYPE_CHECKING:
     from exporter.agent import Agent
@@ -190,7 +190,7 @@ def _device_uuids(sc: Scenario) -> dict[str, str]:
 
 def run_demo(cfg: Config, stop: threading.Event | None = None) -> int:
     try:
-        scenario = load_scenario(find_scenario(cfg.scenario)) if cfg.scenario else default_scenario()
+        scenario = load_scenario(find_scenario(cfg.scenario))  # the flag table's default: mixed-node
     except ScenarioError as e:
         print(f"dra-gpu-exporter: error: {e}", file=sys.stderr)
         return 2

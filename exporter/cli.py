@@ -13,8 +13,9 @@ from typing import Protocol, cast
 import structlog
 
 from . import __version__
-from .config import Config, ConfigError, build_parser, check_kubelet_socket, one_line, resolve
+from .config import Config, ConfigError, build_parser, check_kubelet_socket, resolve
 from .logs import configure
+from .text import one_line
 
 log = structlog.get_logger("exporter")
 

@@ -1,8 +1,13 @@
-"""Command-line and environment configuration.
+"""Command-line and environment configuration: one table of flags, and what it generates.
 
-Every flag can also be set as ``DRA_GPU_EXPORTER_<FLAG>`` (upper case, dashes as underscores);
-a flag on the command line wins over the environment. Bad values end the program with one
-clear line and exit code 2 (argparse's convention), never a traceback.
+Each flag is one row of :data:`FLAGS` (name, parser and validation, default, the demo's default
+where it differs, help text, README meaning). The row generates its argparse argument, its
+environment variable ``DRA_GPU_EXPORTER_<FLAG>`` (upper case, dashes as underscores), its
+``Config`` default and its line in the README's configuration table
+(``python tools/readme_config.py`` rewrites that table; tests/test_readme_config.py keeps it equal).
+
+A flag on the command line wins over the environment. Bad values end the program with one clear
+line and exit code 2 (argparse's convention), never a traceback.
 """
 
 from __future__ import annotations
@@ -15,16 +20,17 @@ import os
 import re
 import socket
 import stat
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Generic, NoReturn, TypeVar
 
-from . import __version__
+from . import __version__, constants
+from .text import one_line as one_line  # re-exported: drasim.scenario imports it from here
 
 ENV_PREFIX = "DRA_GPU_EXPORTER_"
-DEFAULT_KUBELET_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
-DEFAULT_LISTEN = "0.0.0.0:9402"
+DEFAULT_KUBELET_SOCKET = constants.KUBELET_SOCKET
+AGENT, DEMO = "agent", "demo"  # the two commands: `dra-gpu-exporter` and `dra-gpu-exporter demo`
 
 
 class TaintMode(str, enum.Enum):
@@ -32,22 +38,6 @@ class TaintMode(str, enum.Enum):
     DRY_RUN = "dry-run"  # decide, log and export, never write
     SHADOW = "shadow"  # write rules with effect None (Kubernetes reports what would be evicted)
     ENFORCE = "enforce"  # write rules with the tier's effect
-
-
-# What str.splitlines() splits at, and other control characters: escaped in messages.
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-
-
-MESSAGE_LIMIT = 500  # characters of an error message; the rest is counted, not shown
-
-
-def one_line(message: str) -> str:
-    """``message`` with line breaks and control characters escaped, and at most MESSAGE_LIMIT
-    characters: errors stay one readable line even when they quote a huge input."""
-    message = _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), message)
-    if len(message) > MESSAGE_LIMIT:
-        message = f"{message[:MESSAGE_LIMIT]}... ({len(message) - MESSAGE_LIMIT} more characters)"
-    return message
 
 
 class ConfigError(ValueError):
@@ -58,61 +48,21 @@ class ConfigError(ValueError):
         super().__init__(one_line(message))
 
 
-@dataclass(frozen=True)
-class Config:
-    listen_host: str = "0.0.0.0"
-    listen_port: int = 9402
-    node_name: str = ""
-    kubelet_socket: str = DEFAULT_KUBELET_SOCKET
-    kubeconfig: str | None = None
-    backend: str = "auto"
-    interval: float = 5.0
-    taint_mode: TaintMode = TaintMode.ENFORCE
-    log_format: str = "auto"
-    log_level: str = "info"
-    call_timeout: float = 2.0  # deadline for one device read (all its library calls)
-    # attribution and cardinality
-    per_process: bool = False  # needs hostPID; maps PIDs to pods through /proc/<pid>/cgroup
-    pod_label_allowlist: tuple[str, ...] = ()  # pod labels exported on dra_pod_labels
-    dcgm_compat_labels: bool = False  # add pod/namespace/container/dra_* labels to device series
-    exclude_metrics: frozenset[str] = frozenset()  # catalog names never exported (--exclude-metrics)
-    # remediation safety
-    taint_rate_limit: int = 2  # new NoExecute rules per node per rate window
-    taint_rate_window: float = 600.0
-    taint_budget_fraction: float = 0.05  # cluster-wide share of GPUs under NoExecute
-    taint_budget_max: int = 16
-    taint_hold_seconds: float = 1800.0  # healthy time before a rule steps down
-    node_failure_fraction: float = 0.5  # more than this share of a node's GPUs failing together = node fault
-    # remediation timing (team remediation, issue 16): every delay a fault goes through
-    taint_settle_seconds: float = 2.0  # a new fatal fault is NoSchedule this long before NoExecute
-    node_fault_window: float = 2.0  # failures this close together count as one node-wide event
-    # health evidence (team health): how long a device call must stay stuck before the device
-    # counts as hung (driver_hung, fatal), and how long a fatal fault stays after a GPU reset
-    hung_after: float = 30.0
-    fault_clear_seconds: float = 120.0
-    # HTTP endpoint: TLS, client certificates, basic auth (exporter-toolkit format)
-    web_config_file: str | None = None
-    # demo only
-    scenario: str | None = None
-    time_scale: float = 1.0
-    extra: dict[str, Any] = field(default_factory=dict)
+# --------------------------------------------------------------------------------------------
+# Parsers: text (from the command line or the environment) -> value. Each takes the flag it
+# reads (``--interval``) so that its errors name it first.
+# --------------------------------------------------------------------------------------------
 
-    @property
-    def listen(self) -> str:
-        return f"{self.listen_host}:{self.listen_port}"
+T = TypeVar("T")
 
 
-def _env(name: str) -> str | None:
-    return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"))
-
-
-def parse_listen(value: str) -> tuple[str, int]:
+def parse_listen(value: str, flag: str = "--listen") -> tuple[str, int]:
     # A host name or IPv4 address is letters, digits, dots, dashes (and underscores, which
     # /etc/hosts tolerates); anything else (a NUL, a slash) could only fail later, at bind time,
     # with exit code 1 instead of this one line.
     m = re.fullmatch(r"(?:\[(?P<v6>[^\]]*)\]|(?P<host>[A-Za-z0-9._-]*)):(?P<port>\d{1,5})", value.strip())
     if not m:
-        raise ConfigError(f"--listen {value!r}: expected HOST:PORT, e.g. 0.0.0.0:9402 or [::]:9402")
+        raise ConfigError(f"{flag} {value!r}: expected HOST:PORT, e.g. 0.0.0.0:9402 or [::]:9402")
     if m.group("v6") is not None:
         # an address check, not a character class: [::ffff:1.2.3.4] and [fe80::1%eth0] are
         # fine, [1:2:3:4:5:6:7:8:9] is not; ipaddress takes any scope id, an interface does not
@@ -122,32 +72,134 @@ def parse_listen(value: str) -> tuple[str, int]:
         except ValueError:
             ok = False
         if not ok:
-            raise ConfigError(f"--listen {value!r}: {m.group('v6')!r} is not an IPv6 address")
+            raise ConfigError(f"{flag} {value!r}: {m.group('v6')!r} is not an IPv6 address")
     host = m.group("v6") or m.group("host") or "0.0.0.0"
     port = int(m.group("port"))
     if not 0 <= port <= 65535:
-        raise ConfigError(f"--listen {value!r}: port must be 0..65535")
+        raise ConfigError(f"{flag} {value!r}: port must be 0..65535")
     return host, port
 
 
-def parse_interval(value: str) -> float:
+def parse_interval(value: str, flag: str = "--interval") -> float:
     try:
         v = float(value)
     except ValueError:
-        raise ConfigError(f"--interval {value!r}: expected a number of seconds, e.g. 5 or 0.5") from None
+        raise ConfigError(f"{flag} {value!r}: expected a number of seconds, e.g. 5 or 0.5") from None
     if not (0.05 <= v <= 3600):
-        raise ConfigError(f"--interval {value!r}: must be between 0.05 and 3600 seconds")
+        raise ConfigError(f"{flag} {value!r}: must be between 0.05 and 3600 seconds")
     return v
 
 
-def _positive_float(flag: str, value: str, lo: float, hi: float) -> float:
+@dataclass(frozen=True)
+class Number:
+    """A number between ``lo`` and ``hi`` (NaN and infinities are outside every range)."""
+
+    lo: float
+    hi: float
+
+    def __call__(self, value: str, flag: str) -> float:
+        try:
+            v = float(value)
+        except ValueError:
+            raise ConfigError(f"{flag} {value!r}: expected a number") from None
+        if not (self.lo <= v <= self.hi):
+            raise ConfigError(f"{flag} {value!r}: must be between {self.lo:g} and {self.hi:g}")
+        return v
+
+
+@dataclass(frozen=True)
+class Count:
+    """A whole number between ``lo`` and ``hi``: a count of things, where 0.5 must not quietly
+    become 0 (for --taint-rate-limit, no taints at all)."""
+
+    lo: int
+    hi: int
+
+    def __call__(self, value: str, flag: str) -> int:
+        n = Number(self.lo, self.hi)(value, flag)
+        if n != int(n):
+            raise ConfigError(f"{flag} {value!r}: expected a whole number")
+        return int(n)
+
+
+@dataclass(frozen=True)
+class Choice(Generic[T]):
+    """One of ``choices`` (also argparse's choices on the command line), converted by ``then``;
+    ``fold_case``: the environment may spell it in any case (the command line may not)."""
+
+    choices: tuple[str, ...]
+    then: Callable[[str], T]
+    fold_case: bool = False
+
+    def __call__(self, value: str, flag: str) -> T:
+        v = value.lower() if self.fold_case else value
+        if v not in self.choices:
+            raise ConfigError(f"{flag} {value!r}: expected {', '.join(self.choices[:-1])} or {self.choices[-1]}")
+        return self.then(v)
+
+
+_BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False, "": False}
+
+
+def parse_bool(value: str, flag: str) -> bool:
     try:
-        v = float(value)
-    except ValueError:
-        raise ConfigError(f"{flag} {value!r}: expected a number") from None
-    if not (lo <= v <= hi):
-        raise ConfigError(f"{flag} {value!r}: must be between {lo:g} and {hi:g}")
+        return _BOOL[value.strip().lower()]
+    except KeyError:
+        raise ConfigError(f"{flag} {value!r}: expected true or false") from None
+
+
+def _agent_backend(v: str) -> str:
+    if v == "sim":
+        raise ConfigError("--backend sim: the simulated backend runs only under `dra-gpu-exporter demo`; the agent takes auto, nvml or amdsmi")
     return v
+
+
+def _demo_backend(v: str) -> str:
+    if v not in ("sim", "auto"):
+        # The demo's GPUs are simulated; a real backend would be quietly ignored.
+        raise ConfigError(f"--backend {v!r}: the demo simulates its GPUs (backend sim); to read this node's GPUs run the agent: dra-gpu-exporter --backend {v}")
+    return "sim"
+
+
+def parse_label_allowlist(value: str, flag: str = "--pod-label-allowlist") -> tuple[str, ...]:
+    keys: list[str] = []
+    exported: dict[str, str] = {}
+    for k in (k.strip() for k in value.split(",")):
+        if not k or k in keys:  # a repeated key would be a repeated label on dra_pod_labels
+            continue
+        if not re.fullmatch(r"([a-z0-9.-]+/)?[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?", k):
+            raise ConfigError(f"{flag}: {k!r} is not a valid label key")
+        # dra_pod_labels exports each key as label_<key with [^a-zA-Z0-9_] as _>: two keys
+        # with one name would silently show only one of the two values
+        name = "label_" + re.sub(r"[^a-zA-Z0-9_]", "_", k)
+        if name in exported:
+            raise ConfigError(f"{flag}: {exported[name]!r} and {k!r} would both be exported as {name}")
+        exported[name] = k
+        keys.append(k)
+    return tuple(keys)
+
+
+def parse_exclude_metrics(value: str, flag: str = "--exclude-metrics") -> frozenset[str]:
+    """Names and shell patterns -> the catalog names they match. A pattern that matches
+    nothing is a typo, and a typo here would silently keep the series it meant to drop."""
+    from .catalog import BY_NAME
+
+    out: set[str] = set()
+    for pattern in (p.strip() for p in value.split(",")):
+        if not pattern:
+            continue
+        hits = fnmatch.filter(BY_NAME, pattern)
+        if not hits:
+            raise ConfigError(f"{flag}: {pattern!r} matches no metric (names as in the README's metric table, e.g. dra_claim_pods or 'gpu_*_clock_hertz')")
+        out.update(hits)
+    return frozenset(out)
+
+
+def parse_node_name(value: str, flag: str = "--node-name") -> str:
+    """A Kubernetes node name, or "" (then resolve() takes the host name)."""
+    if value and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", value):
+        raise ConfigError(f"{flag} {value!r}: not a valid Kubernetes node name")
+    return value
 
 
 def _is_file(path: str) -> bool:
@@ -157,6 +209,25 @@ def _is_file(path: str) -> bool:
         return Path(path).is_file()
     except OSError:
         return False
+
+
+def parse_web_config_file(value: str, flag: str = "--web-config-file") -> str | None:
+    """Only that it exists here ("" means none): its contents are checked by the CLI
+    (exporter.metrics.webconfig, a layer config must not import), before anything starts, with
+    the same exit code 2."""
+    if value == "":
+        return None
+    if not _is_file(value):
+        raise ConfigError(f"{flag} {value}: no such file")
+    return value
+
+
+def parse_scenario(value: str, flag: str = "--scenario") -> str:
+    # A bundled scenario's name (as --list-scenarios prints it) is looked up by the demo;
+    # anything that looks like a path must be a file.
+    if not _is_file(value) and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", value):
+        raise ConfigError(f"{flag} {value}: no such file")
+    return value
 
 
 def check_kubelet_socket(path: str) -> str | None:
@@ -205,6 +276,14 @@ def kubelet_socket_unusable(path: str) -> str | None:
     return None
 
 
+def parse_kubelet_socket(value: str, flag: str = "--kubelet-socket") -> str:
+    # Only a path that can never work stops the start; a missing socket, a wrong file type or
+    # permissions are ridden out at run time (cli.run_agent warns about them).
+    if (problem := kubelet_socket_unusable(value)) is not None:
+        raise ConfigError(problem)
+    return value
+
+
 KUBECONFIG_LIMIT = 4 << 20  # bytes; kubeconfigs with embedded certificates are a few KiB
 
 
@@ -248,30 +327,273 @@ def check_kubeconfig(path: str) -> None:
         raise ConfigError(f"{flag}: not a kubeconfig ({hint}; none of those keys is there)")
 
 
-def _add_common(p: argparse.ArgumentParser, demo: bool = False) -> None:
-    listen, interval = ("127.0.0.1:9402", "1") if demo else (DEFAULT_LISTEN, "5")
-    p.add_argument("--listen", metavar="HOST:PORT", help=f"address for /metrics, /healthz, /readyz (default {listen})")
-    p.add_argument("--interval", metavar="SECONDS", help=f"collection interval, float seconds (default {interval})")
-    backend_help = "device library; the demo simulates its GPUs (sim, the default)" if demo else "device library: auto, nvml or amdsmi (default auto; sim is the demo's)"
-    p.add_argument("--backend", choices=["auto", "nvml", "amdsmi", "sim"], help=backend_help)
-    p.add_argument("--taint-mode", choices=[m.value for m in TaintMode], help="remediation mode (default enforce)")
-    p.add_argument("--log-format", choices=["auto", "json", "console"], help="auto: JSON unless stderr is a terminal")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--call-timeout", metavar="SECONDS", help="deadline for reading one device (default 2)")
-    p.add_argument("--per-process", action="store_const", const="true", help="per-process (per-pod) GPU memory; needs hostPID")
-    p.add_argument("--pod-label-allowlist", metavar="K1,K2", help="pod labels exported on dra_pod_labels")
-    p.add_argument("--exclude-metrics", metavar="NAME,GLOB", help="metrics never exported, by name or shell pattern (e.g. 'dra_claim_memory_*')")
-    p.add_argument("--dcgm-compat-labels", action="store_const", const="true", help="add dcgm-exporter's pod/namespace/container/dra_* labels to device series")
-    p.add_argument("--taint-rate-limit", metavar="N", help="new NoExecute rules per node per 10 minutes (default 2)")
-    p.add_argument("--taint-budget-fraction", metavar="F", help="cluster share of GPUs under NoExecute before suppression (default 0.05)")
-    p.add_argument("--taint-hold-seconds", metavar="S", help="healthy time before a rule steps down (default 1800)")
-    # remediation timing (team remediation)
-    p.add_argument("--taint-settle-seconds", metavar="S", help="a new fatal fault is NoSchedule this long, then NoExecute unless the node-wide test trips (default 2)")
-    p.add_argument("--node-fault-window", metavar="S", help="GPU failures this close together count together for the node-wide test (default 2)")
-    # health evidence
-    p.add_argument("--hung-after", metavar="SECONDS", help="a device call stuck this long, while the agent itself gets CPU, makes the device driver_hung (fatal) (default 30)")
-    p.add_argument("--fault-clear-seconds", metavar="SECONDS", help="a fatal fault clears this long after a GPU reset, a polled fault this long after it was last seen (default 120)")
-    p.add_argument("--web-config-file", metavar="PATH", help="TLS, client-certificate and basic-auth settings for the HTTP endpoint, in the Prometheus exporter-toolkit format")
+def parse_kubeconfig(value: str, flag: str = "--kubeconfig") -> str:
+    check_kubeconfig(value)
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# The table
+# --------------------------------------------------------------------------------------------
+
+
+def _show(value: object) -> str:
+    """A default as --help and the README write it."""
+    if value is None or value in ((), frozenset(), ""):
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _host_port(hp: tuple[str, int]) -> str:
+    return f"[{hp[0]}]:{hp[1]}" if ":" in hp[0] else f"{hp[0]}:{hp[1]}"
+
+
+@dataclass(frozen=True)
+class Flag(Generic[T]):
+    """One flag: everything the command line, the environment, ``Config`` and the README say
+    about it."""
+
+    name: str  # "call-timeout": --call-timeout, DRA_GPU_EXPORTER_CALL_TIMEOUT, Config.call_timeout
+    parse: Callable[[str, str], T]  # (text, "--call-timeout") -> value; ConfigError names the flag
+    default: T  # Config's default
+    help: str  # --help, without the default (added)
+    doc: str  # the README's "meaning" column (Markdown)
+    metavar: str | None = None
+    demo: T | None = None  # the demo's default, where it differs from the agent's
+    demo_parse: Callable[[str, str], T] | None = None  # the demo's parser, where it differs
+    commands: tuple[str, ...] = (AGENT, DEMO)  # the commands that take it
+    switch: bool = False  # on the command line, the flag alone means true
+    fields: tuple[str, ...] = ()  # Config fields a tuple value fills, in order (default: the field of its name)
+    shown: str | None = None  # the default in words (Markdown), where the value does not say it
+    show: Callable[[T], str] = _show  # the default as text, where _show does not do
+    fallback_env: str | None = None  # read when neither the flag nor its own variable gives a value
+
+    @property
+    def option(self) -> str:
+        return "--" + self.name
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper().replace("-", "_")
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return self.parse.choices if isinstance(self.parse, Choice) else ()
+
+    def parser(self, command: str) -> Callable[[str, str], T]:
+        return self.demo_parse if command == DEMO and self.demo_parse is not None else self.parse
+
+    def default_for(self, command: str) -> T:
+        return self.demo if command == DEMO and self.demo is not None else self.default
+
+    def assign(self, value: T) -> Iterator[tuple[str, object]]:
+        """(Config field, value) pairs for ``value``."""
+        if not self.fields:
+            yield self.dest, value
+        else:
+            assert isinstance(value, tuple) and len(value) == len(self.fields), (self.name, value)
+            yield from zip(self.fields, value, strict=True)
+
+    def default_text(self, command: str) -> str:
+        """The default for ``command``, plain text (for --help)."""
+        if self.shown is not None:
+            return self.shown.replace("`", "")
+        return self.show(self.default_for(command))
+
+
+_SECONDS_A_WEEK = 7 * 86400
+
+LISTEN = Flag(
+    "listen", parse_listen, ("0.0.0.0", 9402), demo=("127.0.0.1", 9402), metavar="HOST:PORT", show=_host_port,
+    fields=("listen_host", "listen_port"),
+    help="address for /metrics, /healthz, /readyz",
+    doc="`/metrics`, `/healthz`, `/readyz`; HOST is a host name, an IPv4 address or a bracketed IPv6 address (`[::]:9402`)",
+)
+INTERVAL = Flag(
+    "interval", parse_interval, 5.0, demo=1.0, metavar="SECONDS",
+    help="collection interval, float seconds",
+    doc="collection interval (float)",
+)
+BACKEND = Flag(
+    "backend", Choice(("auto", "nvml", "amdsmi", "sim"), _agent_backend), "auto",
+    demo="sim", demo_parse=Choice(("auto", "nvml", "amdsmi", "sim"), _demo_backend),
+    help="device library: auto, nvml or amdsmi; sim (simulated GPUs) is the demo's",
+    doc="device library; `auto` picks what the machine has; `sim` is the demo's (the agent refuses it, exit 2; the demo refuses the others)",
+)
+TAINT_MODE = Flag(
+    "taint-mode", Choice(tuple(m.value for m in TaintMode), TaintMode), TaintMode.ENFORCE,
+    help="remediation mode",
+    doc="remediation mode (see below)",
+)
+LOG_FORMAT = Flag(
+    "log-format", Choice(("auto", "json", "console"), str), "auto",
+    help="auto: JSON unless stderr is a terminal",
+    doc="structured logs: JSON lines, or key=value lines for a terminal; `auto`: JSON when stderr is not a terminal",
+)
+LOG_LEVEL = Flag(
+    "log-level", Choice(("debug", "info", "warning", "error"), str, fold_case=True), "info",
+    help="log level",
+    doc="least severe level logged (the environment may write it in upper case)",
+)
+CALL_TIMEOUT = Flag(
+    "call-timeout", Number(0.01, 600), 2.0, metavar="SECONDS",
+    help="deadline for reading one device",
+    doc="deadline for reading one device; a read that misses it has no data that cycle (`gpu_up 0`, read error `late`), which alone is no fault",
+)
+PER_PROCESS = Flag(
+    "per-process", parse_bool, False, switch=True,
+    help="per-process (per-pod) GPU memory; needs hostPID",
+    doc="per-pod GPU memory from NVML process accounting; needs `hostPID: true`",
+)
+POD_LABEL_ALLOWLIST: Flag[tuple[str, ...]] = Flag(
+    "pod-label-allowlist", parse_label_allowlist, (), metavar="K1,K2",
+    help="pod labels exported on dra_pod_labels",
+    doc="pod labels exported on `dra_pod_labels` (opt-in cardinality)",
+)
+EXCLUDE_METRICS: Flag[frozenset[str]] = Flag(
+    "exclude-metrics", parse_exclude_metrics, frozenset(), metavar="NAME,GLOB",
+    help="metrics never exported, by name or shell pattern (e.g. 'dra_claim_memory_*')",
+    doc="metrics never exported, by name or shell pattern (`'dra_claim_memory_*'`); a pattern that matches no metric is an error. "
+    "The cardinality control: each `dra_claim_*` family costs one series per claim (see Performance)",
+)
+DCGM_COMPAT_LABELS = Flag(
+    "dcgm-compat-labels", parse_bool, False, switch=True,
+    help="add dcgm-exporter's pod/namespace/container/dra_* labels to device series",
+    doc="add dcgm-exporter's `pod`, `namespace`, `container`, `dra_*` labels to device series (one series per holder, as dcgm-exporter does)",
+)
+TAINT_RATE_LIMIT = Flag(
+    "taint-rate-limit", Count(0, 1000), 2, metavar="N",
+    help="new NoExecute rules per node per 10 minutes",
+    doc="new NoExecute rules per node per 10 minutes (a whole number)",
+)
+TAINT_BUDGET_FRACTION = Flag(
+    "taint-budget-fraction", Number(0, 1), 0.05, metavar="F",
+    help="no longer used (the budget ConfigMap states the cluster's budget); kept so existing manifests still start",
+    doc="no longer used: the budget's size is stated in the budget ConfigMap (`fraction` × `cluster_gpus`, `max_domains`; "  # noqa: RUF001 - the README writes a product so
+    "Helm values `budget.*`); kept so existing manifests still start",
+)
+TAINT_HOLD_SECONDS = Flag(
+    "taint-hold-seconds", Number(0, _SECONDS_A_WEEK), 1800.0, metavar="S",
+    help="healthy time before a rule steps down",
+    doc="healthy time before a rule steps down one level",
+)
+TAINT_SETTLE_SECONDS = Flag(
+    "taint-settle-seconds", Number(0, 600), 2.0, metavar="S",
+    help="a new fatal fault is NoSchedule this long, then NoExecute unless the node-wide test trips",
+    doc="a new fatal fault gets NoSchedule at once and NoExecute after this long, unless the node-wide test trips within it "
+    "(the raise waits for the longer of this and `--node-fault-window`)",
+)
+NODE_FAULT_WINDOW = Flag(
+    "node-fault-window", Number(0, 600), 2.0, metavar="S",
+    help="GPU failures this close together count together for the node-wide test",
+    doc="GPU failures at most this far apart count together: more than half of the node's GPUs failing within it is a node-wide fault (NoSchedule only)",
+)
+HUNG_AFTER = Flag(
+    "hung-after", Number(0, 3600), 30.0, metavar="SECONDS",
+    help="a device call stuck this long, while the agent itself gets CPU, makes the device driver_hung (fatal)",
+    doc="a device call still stuck this long, while the agent itself gets CPU, makes the device `driver_hung` (fatal); `0`: at the first missed deadline",
+)
+FAULT_CLEAR_SECONDS = Flag(
+    "fault-clear-seconds", Number(0, _SECONDS_A_WEEK), 120.0, metavar="SECONDS",
+    help="a fatal fault clears this long after a GPU reset, a polled fault this long after it was last seen",
+    doc="a fatal fault clears this long after a GPU reset has been observed; a polled fault (lost, hung, remap pending) this long after it was last seen",
+)
+WEB_CONFIG_FILE: Flag[str | None] = Flag(
+    "web-config-file", parse_web_config_file, None, metavar="PATH",
+    help="TLS, client-certificate and basic-auth settings for the HTTP endpoint, in the Prometheus exporter-toolkit format",
+    doc="TLS (certificates re-read when they change), client certificates, bcrypt basic auth and response headers for the HTTP endpoint, "
+    "in the Prometheus exporter-toolkit's format (see [docs/deploy.md](docs/deploy.md#tls-and-authentication)); a bad file is exit 2 with one line",
+)
+NODE_NAME = Flag(
+    "node-name", parse_node_name, "", commands=(AGENT,), metavar="NAME", fallback_env="NODE_NAME",
+    shown="env `NODE_NAME`, else the host name",
+    help="this node's name",
+    doc="this node (pool name and slice field selector)",
+)
+KUBELET_SOCKET = Flag(
+    "kubelet-socket", parse_kubelet_socket, constants.KUBELET_SOCKET, commands=(AGENT,), metavar="PATH",
+    help="PodResources socket",
+    doc="PodResources API; a missing socket (or a wrong file there) is logged and retried, not fatal; only a path no socket can have is exit 2",
+)
+KUBECONFIG: Flag[str | None] = Flag(
+    "kubeconfig", parse_kubeconfig, None, commands=(AGENT,), metavar="PATH",
+    shown="in-cluster, then `KUBECONFIG`",
+    help="kubeconfig; none found: no Kubernetes API features",
+    doc="none found: runs without DRA attribution and remediation; a file that is no kubeconfig is exit 2",
+)
+SCENARIO = Flag(
+    "scenario", parse_scenario, "mixed-node", commands=(DEMO,), metavar="FILE|NAME",
+    help="scenario file (YAML or JSON) or a bundled scenario's name (see --list-scenarios)",
+    doc="the demo's node: a scenario file (YAML or JSON, format in [docs/scenarios.md](docs/scenarios.md)) or a bundled scenario by the name "
+    "`--list-scenarios` prints",
+)
+TIME_SCALE = Flag(
+    "time-scale", Number(0.01, 10000), 1.0, commands=(DEMO,), metavar="X",
+    help="simulated seconds per real second",
+    doc="simulated seconds per real second",
+)
+
+# The order of --help, of validation (with several bad values, the first is reported) and of
+# the README table.
+FLAGS: tuple[Flag[Any], ...] = (
+    LISTEN, INTERVAL, BACKEND, TAINT_MODE, LOG_FORMAT, LOG_LEVEL, CALL_TIMEOUT, PER_PROCESS, POD_LABEL_ALLOWLIST,
+    EXCLUDE_METRICS, DCGM_COMPAT_LABELS, TAINT_RATE_LIMIT, TAINT_BUDGET_FRACTION, TAINT_HOLD_SECONDS,
+    TAINT_SETTLE_SECONDS, NODE_FAULT_WINDOW, HUNG_AFTER, FAULT_CLEAR_SECONDS, WEB_CONFIG_FILE,
+    NODE_NAME, KUBELET_SOCKET, KUBECONFIG, SCENARIO, TIME_SCALE,
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    # Defaults from the flag table; the flags' meanings are there too.
+    listen_host: str = LISTEN.default[0]
+    listen_port: int = LISTEN.default[1]
+    node_name: str = NODE_NAME.default
+    kubelet_socket: str = KUBELET_SOCKET.default
+    kubeconfig: str | None = KUBECONFIG.default
+    backend: str = BACKEND.default
+    interval: float = INTERVAL.default
+    taint_mode: TaintMode = TAINT_MODE.default
+    log_format: str = LOG_FORMAT.default
+    log_level: str = LOG_LEVEL.default
+    call_timeout: float = CALL_TIMEOUT.default
+    per_process: bool = PER_PROCESS.default
+    pod_label_allowlist: tuple[str, ...] = POD_LABEL_ALLOWLIST.default
+    dcgm_compat_labels: bool = DCGM_COMPAT_LABELS.default
+    exclude_metrics: frozenset[str] = EXCLUDE_METRICS.default
+    taint_rate_limit: int = TAINT_RATE_LIMIT.default
+    taint_budget_fraction: float = TAINT_BUDGET_FRACTION.default
+    taint_hold_seconds: float = TAINT_HOLD_SECONDS.default
+    taint_settle_seconds: float = TAINT_SETTLE_SECONDS.default
+    node_fault_window: float = NODE_FAULT_WINDOW.default
+    hung_after: float = HUNG_AFTER.default
+    fault_clear_seconds: float = FAULT_CLEAR_SECONDS.default
+    web_config_file: str | None = WEB_CONFIG_FILE.default
+    scenario: str = SCENARIO.default
+    time_scale: float = TIME_SCALE.default
+    # Not flags: remediation tunables that tests and benchmarks set.
+    taint_rate_window: float = 600.0  # seconds: --taint-rate-limit's window
+    taint_budget_max: int = 16  # domains under NoExecute when the budget ConfigMap states none
+    node_failure_fraction: float = 0.5  # more than this share of a node's GPUs failing together = node fault
+
+    @property
+    def listen(self) -> str:
+        return f"{self.listen_host}:{self.listen_port}"
+
+
+# --------------------------------------------------------------------------------------------
+# The command line
+# --------------------------------------------------------------------------------------------
 
 
 class _Parser(argparse.ArgumentParser):
@@ -283,6 +605,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see --help)\n")
 
 
+def _add_flags(p: argparse.ArgumentParser, command: str) -> None:
+    for flag in FLAGS:
+        if command not in flag.commands:
+            continue
+        text = f"{flag.help} (default {flag.default_text(command)})".replace("%", "%%")  # argparse %-formats help
+        if flag.switch:
+            p.add_argument(flag.option, action="store_const", const="true", help=text)
+        else:
+            # Values stay text here: resolve() parses the command line and the environment alike.
+            p.add_argument(flag.option, metavar=flag.metavar, choices=flag.choices or None, help=text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="dra-gpu-exporter",
@@ -290,188 +624,79 @@ def build_parser() -> argparse.ArgumentParser:
         f"Every flag can be set as an environment variable {ENV_PREFIX}<FLAG>.",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    _add_common(p)
-    p.add_argument("--node-name", help="this node's name (env NODE_NAME)")
-    p.add_argument("--kubelet-socket", metavar="PATH", help=f"PodResources socket (default {DEFAULT_KUBELET_SOCKET})")
-    p.add_argument("--kubeconfig", metavar="PATH", help="kubeconfig (default: in-cluster, then KUBECONFIG; none: no Kubernetes API features)")
+    _add_flags(p, AGENT)
     sub = p.add_subparsers(dest="command")
     # SUPPRESS: a flag the subcommand does not see must not be reset to None by it, so
     # "dra-gpu-exporter --interval 2 demo" keeps the 2 (argparse copies subparser defaults
     # over the parent's values otherwise).
     d = sub.add_parser(
-        "demo", help="run the embedded simulated node (GPUs, kubelet, Kubernetes API)", argument_default=argparse.SUPPRESS
+        DEMO, help="run the embedded simulated node (GPUs, kubelet, Kubernetes API)", argument_default=argparse.SUPPRESS
     )
-    _add_common(d, demo=True)
-    d.add_argument("--scenario", metavar="FILE|NAME", help="scenario file (YAML or JSON) or a bundled scenario's name (see --list-scenarios); default: mixed-node")
-    d.add_argument("--time-scale", metavar="X", help="simulated seconds per real second (default 1)")
+    _add_flags(d, DEMO)
+    # a question, not configuration: no environment variable, no Config field
     d.add_argument("--list-scenarios", action="store_true", help="list the bundled scenarios and exit")
     return p
 
 
-_BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False, "": False}
-
-
-def _bool(flag: str, value: str) -> bool:
-    try:
-        return _BOOL[value.strip().lower()]
-    except KeyError:
-        raise ConfigError(f"{flag} {value!r}: expected true or false") from None
-
-
 def resolve(ns: argparse.Namespace) -> Config:
-    """Merge flags over environment over defaults, and validate."""
-    from_env: dict[str, str] = {}  # flag -> the environment variable its value came from
-
-    def pick(name: str, fallback: str | None = None) -> str | None:
-        """The flag, else its DRA_GPU_EXPORTER_ variable; when both are empty, ``fallback``
-        (another variable, e.g. the downward API's NODE_NAME)."""
-        v = getattr(ns, name.replace("-", "_"), None)
-        if v is None and (v := _env(name)) is not None:
-            from_env[name] = ENV_PREFIX + name.upper().replace("-", "_")
-        if not v and fallback and (fv := os.environ.get(fallback)):
-            from_env[name] = fallback
-            return fv
-        return v
-
-    try:
-        return _resolve(ns, pick)
-    except ConfigError as e:
-        # A value from the environment is reported under its flag's name; say where it came
-        # from, or the user looks for a flag that is not on the command line.
-        m = re.match(r"--([a-z-]+)", str(e))
-        if m and m.group(1) in from_env:
-            raise ConfigError(f"{e} (from {from_env[m.group(1)]})") from None
-        raise
-
-
-def _label_allowlist(value: str) -> tuple[str, ...]:
-    keys: list[str] = []
-    exported: dict[str, str] = {}
-    for k in (k.strip() for k in value.split(",")):
-        if not k or k in keys:  # a repeated key would be a repeated label on dra_pod_labels
-            continue
-        if not re.fullmatch(r"([a-z0-9.-]+/)?[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?", k):
-            raise ConfigError(f"--pod-label-allowlist: {k!r} is not a valid label key")
-        # dra_pod_labels exports each key as label_<key with [^a-zA-Z0-9_] as _>: two keys
-        # with one name would silently show only one of the two values
-        name = "label_" + re.sub(r"[^a-zA-Z0-9_]", "_", k)
-        if name in exported:
-            raise ConfigError(f"--pod-label-allowlist: {exported[name]!r} and {k!r} would both be exported as {name}")
-        exported[name] = k
-        keys.append(k)
-    return tuple(keys)
-
-
-def parse_exclude_metrics(value: str) -> frozenset[str]:
-    """Names and shell patterns -> the catalog names they match. A pattern that matches
-    nothing is a typo, and a typo here would silently keep the series it meant to drop."""
-    from .catalog import BY_NAME
-
-    out: set[str] = set()
-    for pattern in (p.strip() for p in value.split(",")):
-        if not pattern:
-            continue
-        hits = fnmatch.filter(BY_NAME, pattern)
-        if not hits:
-            raise ConfigError(f"--exclude-metrics: {pattern!r} matches no metric (names as in the README's metric table, e.g. dra_claim_pods or 'gpu_*_clock_hertz')")
-        out.update(hits)
-    return frozenset(out)
-
-
-def _resolve(ns: argparse.Namespace, pick: Callable[..., str | None]) -> Config:
-
+    """Merge flags over environment over defaults (the demo's where it has its own), and validate."""
+    command = DEMO if getattr(ns, "command", None) == DEMO else AGENT
     kw: dict[str, Any] = {}
-    if (v := pick("listen")) is not None:
-        kw["listen_host"], kw["listen_port"] = parse_listen(v)
-    if (v := pick("interval")) is not None:
-        kw["interval"] = parse_interval(v)
-    if (v := pick("backend")) is not None:
-        if v not in ("auto", "nvml", "amdsmi", "sim"):
-            raise ConfigError(f"--backend {v!r}: expected auto, nvml, amdsmi or sim")
-        kw["backend"] = v
-    if (v := pick("taint-mode")) is not None:
+    for flag in FLAGS:
+        if command not in flag.commands:
+            continue  # the agent ignores --scenario, the demo --kubeconfig (before `demo`) and their variables
+        text, source = _given(ns, flag)
+        if text is None:
+            kw.update(flag.assign(flag.default_for(command)))
+            continue
         try:
-            kw["taint_mode"] = TaintMode(v)
-        except ValueError:
-            raise ConfigError(f"--taint-mode {v!r}: expected off, dry-run, shadow or enforce") from None
-    if (v := pick("log-format")) is not None:
-        if v not in ("auto", "json", "console"):
-            raise ConfigError(f"--log-format {v!r}: expected auto, json or console")
-        kw["log_format"] = v
-    if (v := pick("log-level")) is not None:
-        if v.lower() not in ("debug", "info", "warning", "error"):
-            raise ConfigError(f"--log-level {v!r}: expected debug, info, warning or error")
-        kw["log_level"] = v.lower()
-    if (v := pick("call-timeout")) is not None:
-        kw["call_timeout"] = _positive_float("--call-timeout", v, 0.01, 600)
-    if (v := pick("per-process")) is not None:
-        kw["per_process"] = _bool("--per-process", v)
-    if (v := pick("pod-label-allowlist")) is not None:
-        kw["pod_label_allowlist"] = _label_allowlist(v)
-    if (v := pick("exclude-metrics")) is not None:
-        kw["exclude_metrics"] = parse_exclude_metrics(v)
-    if (v := pick("dcgm-compat-labels")) is not None:
-        kw["dcgm_compat_labels"] = _bool("--dcgm-compat-labels", v)
-    if (v := pick("taint-rate-limit")) is not None:
-        n = _positive_float("--taint-rate-limit", v, 0, 1000)
-        if n != int(n):  # a count of rules: 0.5 must not quietly become 0 (no taints at all)
-            raise ConfigError(f"--taint-rate-limit {v!r}: expected a whole number")
-        kw["taint_rate_limit"] = int(n)
-    if (v := pick("taint-budget-fraction")) is not None:
-        kw["taint_budget_fraction"] = _positive_float("--taint-budget-fraction", v, 0, 1)
-    if (v := pick("taint-hold-seconds")) is not None:
-        kw["taint_hold_seconds"] = _positive_float("--taint-hold-seconds", v, 0, 7 * 86400)
-    # remediation timing (team remediation)
-    if (v := pick("taint-settle-seconds")) is not None:
-        kw["taint_settle_seconds"] = _positive_float("--taint-settle-seconds", v, 0, 600)
-    if (v := pick("node-fault-window")) is not None:
-        kw["node_fault_window"] = _positive_float("--node-fault-window", v, 0, 600)
-    # health evidence
-    if (v := pick("hung-after")) is not None:
-        kw["hung_after"] = _positive_float("--hung-after", v, 0, 3600)
-    if (v := pick("fault-clear-seconds")) is not None:
-        kw["fault_clear_seconds"] = _positive_float("--fault-clear-seconds", v, 0, 7 * 86400)
-
-    if (v := pick("web-config-file")) is not None and v != "":
-        # only that it exists here: its contents are checked by the CLI (exporter.metrics.webconfig,
-        # a layer config must not import), before anything starts, with the same exit code 2
-        if not _is_file(v):
-            raise ConfigError(f"--web-config-file {v}: no such file")
-        kw["web_config_file"] = v
-
-    demo = getattr(ns, "command", None) == "demo"
-    if demo:
-        if kw.get("backend", "sim") not in ("sim", "auto"):
-            # The demo's GPUs are simulated; a real backend would be quietly ignored.
-            raise ConfigError(f"--backend {kw['backend']!r}: the demo simulates its GPUs (backend sim); to read this node's GPUs run the agent: dra-gpu-exporter --backend {kw['backend']}")
-        if (v := pick("scenario")) is not None:
-            # A bundled scenario's name (as --list-scenarios prints it) is looked up by the
-            # demo; anything that looks like a path must be a file.
-            if not _is_file(v) and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", v):
-                raise ConfigError(f"--scenario {v}: no such file")
-            kw["scenario"] = v
-        if (v := pick("time-scale")) is not None:
-            kw["time_scale"] = _positive_float("--time-scale", v, 0.01, 10000)
-        kw["backend"] = "sim"
-        kw.setdefault("interval", 1.0)
-        if "listen_host" not in kw:
-            kw["listen_host"], kw["listen_port"] = "127.0.0.1", 9402
-        return Config(**kw)
-
-    node = pick("node-name", fallback="NODE_NAME") or ""
-    if node and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", node):
-        raise ConfigError(f"--node-name {node!r}: not a valid Kubernetes node name")
-    kw["node_name"] = node or socket.gethostname().lower()
-    if kw.get("backend") == "sim":
-        raise ConfigError("--backend sim: the simulated backend runs only under `dra-gpu-exporter demo`; the agent takes auto, nvml or amdsmi")
-    if (v := pick("kubelet-socket")) is not None:
-        kw["kubelet_socket"] = v
-    # Only a path that can never work stops the start; a missing socket, a wrong file type or
-    # permissions are ridden out at run time (cli.run_agent warns about them).
-    problem = kubelet_socket_unusable(kw.get("kubelet_socket", DEFAULT_KUBELET_SOCKET))
-    if problem:
-        raise ConfigError(problem)
-    if (v := pick("kubeconfig")) is not None:
-        check_kubeconfig(v)
-        kw["kubeconfig"] = v
+            kw.update(flag.assign(flag.parser(command)(text, flag.option)))
+        except ConfigError as e:
+            if source is None:
+                raise
+            # A value from the environment is reported under its flag's name; say where it came
+            # from, or the user looks for a flag that is not on the command line.
+            raise ConfigError(f"{e} (from {source})") from None
+    if command == AGENT and not kw["node_name"]:  # none given: the host's, as the kubelet names its node
+        kw["node_name"] = socket.gethostname().lower()
     return Config(**kw)
+
+
+def _given(ns: argparse.Namespace, flag: Flag[Any]) -> tuple[str | None, str | None]:
+    """The flag's text and the environment variable it came from (None: the command line):
+    the flag, else its DRA_GPU_EXPORTER_ variable; when both are empty, the flag's
+    ``fallback_env`` (the downward API's NODE_NAME)."""
+    v: str | None = getattr(ns, flag.dest, None)
+    source = None
+    if v is None and (v := os.environ.get(flag.env)) is not None:
+        source = flag.env
+    if not v and flag.fallback_env and (fv := os.environ.get(flag.fallback_env)):
+        return fv, flag.fallback_env
+    return v, source
+
+
+# --------------------------------------------------------------------------------------------
+# The README's configuration table (tools/readme_config.py writes it into README.md)
+# --------------------------------------------------------------------------------------------
+
+
+def _md_code(text: str) -> str:
+    return "`" + text.replace("|", "\\|") + "`"
+
+
+def readme_table() -> str:
+    """The Markdown table of every flag, as the README's "## Configuration" shows it."""
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for f in FLAGS:
+        syntax = f.metavar or "|".join(f.choices)
+        flag = _md_code(f"{f.option} {syntax}" if syntax and not f.switch else f.option)
+        if f.shown is not None:
+            default = f.shown
+        else:
+            text = f.show(f.default)
+            default = text if text in ("none", "off", "on") else _md_code(text)
+        if f.demo is not None and f.demo != f.default:
+            default += f" (demo: {_md_code(f.show(f.demo))})"
+        doc = f.doc if f.commands != (DEMO,) else f"`demo` only: {f.doc}"
+        rows.append(f"| {flag} | {default} | {doc} |")
+    return "\n".join(rows) + "\n"
