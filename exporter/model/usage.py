@@ -270,7 +270,7 @@ class _Running:
         keys, coefs = column
         try:
             # the dense node adds ~1,500 products a cycle: in C, not in a loop of our own
-            into.update(zip(keys, map(operator.add, map(into.__getitem__, keys), map(amount.__mul__, coefs)), strict=True))
+            into.update(zip(keys, map(operator.add, map(into.__getitem__, keys), map(float(amount).__mul__, coefs)), strict=True))
         except KeyError:  # a holder of the interval's start expired since (a gap longer than the retention)
             for k, c in zip(keys, coefs, strict=True):
                 if k in into:
