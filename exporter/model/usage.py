@@ -60,7 +60,6 @@ from .snapshot import Snapshot
 
 EQUAL = "equal"
 PER_PROCESS = "per_process"
-RULES = (EQUAL, PER_PROCESS)
 
 ClaimKey = tuple[str, str]  # (namespace, claim)
 PodKey = tuple[str, str]  # (namespace, pod)
