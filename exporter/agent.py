@@ -31,6 +31,7 @@ from .metrics.webconfig import load_web_config
 from .model.join import DeviceKey, JoinInputs, JoinMemo, join
 from .model.lost import lost_devices
 from .model.snapshot import Snapshot
+from .model.usage import Usage, UsageAccountant
 from .remediation.report import RemediationReport
 
 log = structlog.get_logger(__name__)
@@ -127,6 +128,8 @@ class Agent:
         self._last_pods: list[PodInfo] = []
         self.renderer = Renderer()
         self._join_memo = JoinMemo()  # the join's structure while pods, claims and slices stand still
+        self.usage = UsageAccountant()  # billing counters: energy and device-time per claim and pod
+        self._usage: Usage | None = None
         self.server: MetricsServer | None = None
         self.status: dict[str, CollectorStatus] = {}
         self.snapshot: Snapshot | None = None
@@ -386,6 +389,10 @@ class Agent:
         per_process = self.src.processes
         if per_process is not None:
             process_memory = self._collect("processes", lambda: per_process(snap)) or {}
+        try:
+            self._usage = self.usage.update(snap, process_memory if per_process is not None else None)
+        except Exception:  # a bug in the accounting must not cost the cycle: keep the last totals
+            log.exception("usage_accounting_failed")
         self.cycles += 1
         self.status["cycle"] = CollectorStatus(duration=time.perf_counter() - t0, success=True, last_success=time.monotonic())
         self.publish(process_memory)
@@ -474,6 +481,7 @@ class Agent:
             dcgm_compat=self.cfg.dcgm_compat_labels,
             excluded=self.cfg.exclude_metrics,
             http=self.server.stats() if self.server is not None else None,
+            usage=self._usage,
         )
         exp = self.renderer.render(state)
         if self.server is not None:

@@ -41,11 +41,22 @@ class Condition:
     reset_required: bool = False
 
 
+# A reading that stopped moving while the device reports activity (a frozen energy counter, profiling
+# ratios stuck at 0 on a busy GPU): a fact about the telemetry, not a fault of the GPU.
+READING_STUCK = "reading_stuck"
+
+
 @dataclass(frozen=True)
 class DeviceHealth:
     uuid: str
     conditions: tuple[Condition, ...] = ()
     sticky: bool = False  # re-failed too often: stays tainted until a person clears it
+    # Conditions about the device's *readings*, not the device (reading_stuck): exported like the
+    # others (gpu_health_condition), never acted on. Kept out of ``conditions`` on purpose: every
+    # consumer of those (healthy, worst, remediation's plan, the rule records) treats a condition
+    # as a fault of the GPU, and a frozen counter on a working GPU is no reason to taint it or to
+    # call its claims unhealthy.
+    advisories: tuple[Condition, ...] = ()
 
     @property
     def healthy(self) -> bool:

@@ -39,6 +39,7 @@ from .. import __version__
 from ..catalog import BY_NAME
 from ..devices.model import DeviceIdentity
 from ..model.snapshot import AllocationView, Snapshot
+from ..model.usage import DeviceSplit, Usage
 from .webstats import HttpStats
 
 # gzip level for /metrics, chosen by measurement on the dense node's ~600 KB body
@@ -97,6 +98,7 @@ class RenderState:
     starved: bool | None = None  # the agent itself is starved of CPU (exporter.health.starvation)
     scheduling_lag: float | None = None  # worst scheduling lag of the agent's threads, seconds
     http: HttpStats | None = None  # the HTTP server's own counters (team endpoint); None when not serving
+    usage: Usage | None = None  # billing totals and device splits (exporter.model.usage); None: not exported
 
 
 _second = operator.itemgetter(1)  # a row's value
@@ -253,6 +255,10 @@ class SnapshotCollector(Collector):
         self._alloc_rows: tuple[str, tuple[AllocationView, ...], list[Row]] | None = None
         # (node, the devices' identities, their gpu_info rows)
         self._info: tuple[str, tuple[DeviceIdentity, ...], list[Row]] | None = None
+        # (node, the usage's splits, their dra_pod_device_share_ratio rows)
+        self._share_rows: tuple[str, tuple[DeviceSplit, ...], list[Row]] | None = None
+        # claims', pods' (node, keys of the usage totals, their label tuples)
+        self._usage_keys: list[tuple[str, tuple[tuple[str, str], ...], tuple[tuple[str, str, str], ...]] | None] = [None, None]
 
     def collect(self) -> Iterator[Metric]:
         st = self.state
@@ -408,10 +414,12 @@ class SnapshotCollector(Collector):
         cond = _fam("gpu_health_condition")
         healthy.add_rows([((node, d.uuid), 1 if d.health.healthy else 0) for d in snap.devices])
         for d in snap.devices:
-            if not d.health.conditions:
+            h = d.health
+            if not h.conditions and not h.advisories:
                 continue
             seen = set()
-            for c in d.health.conditions:
+            # advisories (reading_stuck) are conditions to see, never to act on: same series
+            for c in h.conditions + h.advisories if h.advisories else h.conditions:
                 key = (c.tier.value, c.reason)
                 if key in seen:  # a MIG instance inherits its parent's conditions; one series each
                     continue
@@ -452,6 +460,8 @@ class SnapshotCollector(Collector):
             fam = _fam(name)
             fam.add_rows(claim_rows)
             yield fam
+        if st.usage is not None:
+            yield from self._usage(node, st.usage)
         un = _fam("dra_unresolved_devices")
         for drv, n in sorted(snap.unresolved.items()):
             un.add_metric([node, drv], n)
@@ -467,6 +477,39 @@ class SnapshotCollector(Collector):
                 labels = snap.pod_labels.get((ns, pod), {})
                 lbl.add_metric([node, ns, pod, *(labels.get(k, "") for k in keys)], 1)
             yield lbl
+
+    def _usage(self, node: str, u: Usage) -> Iterable[Metric]:
+        """The billing counters and the split of each held device (exporter/model/usage.py)."""
+        claims, pods = self._usage_labels(node, u.claims.keys, 0), self._usage_labels(node, u.pods.keys, 1)
+        # every value of these moves each cycle: zipped in C onto label tuples made once per key set
+        for name, labels, values in (
+            ("dra_claim_energy_joules_total", claims, u.claims.joules),
+            ("dra_claim_device_seconds_total", claims, u.claims.seconds),
+            ("dra_pod_energy_joules_total", pods, u.pods.joules),
+            ("dra_pod_device_seconds_total", pods, u.pods.seconds),
+        ):
+            fam = _fam(name)
+            fam.add_rows(zip(labels, values, strict=True))
+            yield fam
+        cached = self._share_rows
+        if cached is None or cached[0] != node or cached[1] is not u.splits:
+            # The splits change when holders or per-process memory do, not every cycle.
+            shares: dict[tuple[str, ...], float] = {}
+            for sp in u.splits:
+                for _claim, (ns, pod), share in sp.usage:  # a pod holding the device twice: one series
+                    key = (node, sp.uuid, ns, pod, sp.rule)
+                    shares[key] = shares.get(key, 0.0) + share
+            cached = self._share_rows = (node, u.splits, list(shares.items()))
+        share_fam = _fam("dra_pod_device_share_ratio")
+        share_fam.add_rows(cached[2])
+        yield share_fam
+
+    def _usage_labels(self, node: str, keys: tuple[tuple[str, str], ...], which: int) -> tuple[tuple[str, str, str], ...]:
+        """(node, namespace, claim or pod) label tuples of a Totals' keys, remade when the keys change."""
+        cached = self._usage_keys[which]
+        if cached is None or cached[0] != node or cached[1] is not keys:
+            cached = self._usage_keys[which] = (node, keys, tuple((node, k[0], k[1]) for k in keys))
+        return cached[2]
 
     def _remediation(self, node: str, st: RenderState) -> Iterable[Metric]:
         rules = _fam("dra_device_taint_rule")

@@ -1,0 +1,402 @@
+"""Billing counters: energy and allocated device-time per claim and per pod, exact across cycles.
+
+Fed each cycle's :class:`~exporter.model.snapshot.Snapshot` (and the per-process memory when
+``--per-process`` is on), :class:`UsageAccountant` keeps running totals and hands back an
+immutable :class:`Usage`. The join stays pure; this is the model layer's one piece of state
+about the past, and it is small: a few floats per claim and pod, kept a while after they go.
+
+**What is counted.** Energy comes from the GPUs' own energy counters
+(``DeviceReading.energy_joules``, ``gpu_energy_joules_total``), never from sampled power: each
+cycle, the increase of a physical GPU's counter since its last good reading is split between the
+holders of its devices. A counter that went *down* (driver reload, GPU reset) restarted from 0,
+so its new value is the increase; a GPU that could not be read keeps its last good value, and the
+increase over the gap is split when it reads again; the first reading only sets the mark.
+Device-time is allocation: every second a device is held counts, busy or not.
+
+**Who gets an interval.** The holders of the devices at the *start* of the interval: what a
+cycle observed stays in effect until the next cycle observes otherwise. So a claim seen by a
+single cycle still gets the interval that follows it, even if it is gone before the next scrape,
+and every new claim's counters start at 0.
+
+**Weights: a device's part of its physical GPU.** A full GPU is 1. A MIG instance is its compute
+slices over the GPU's (``3g.40gb`` on an H100: 3/7; a ``1c.3g.40gb`` compute instance: 1/7; 7 slices
+on every MIG-capable GPU but the A30, which has 4), from NVIDIA's MIG user guide ("Supported MIG
+Profiles": the fraction of SMs of each profile,
+https://docs.nvidia.com/datacenter/tesla/mig-user-guide/supported-mig-profiles.html). Compute, not
+memory: a GPU's power is mostly its SMs', a ``4g.40gb`` holds 4/7 of them where a ``3g.40gb`` holds
+3/7 with the same memory, and the compute slices of a full layout add up to the whole GPU while the
+memory slices of seven ``1g.10gb`` add up to 7/8. A profile that does not parse falls back to the
+instance's share of the GPU's memory. An AMD partition is 1/N of its GPU (N partitions: CPX and
+DPX modes split the compute dies evenly, and in NPS1 every partition reports the whole memory, so
+memory tells nothing). When the held devices of one GPU add up to more than 1 (a GPU held whole
+and in parts at once), each gets its weight's proportion of the GPU.
+
+**Shares: between the holders of one device.** With per-process figures (``--per-process``), a
+device's usage, memory and energy are split by the memory its holder pods' processes use on it;
+a pod holding the device through several claims splits its part equally between them. Without
+them, or while no holder's process uses memory on the device, equally between the claims (a
+device-plugin pod is one holder of its own), then equally between each claim's pods on that
+device. Device-time is always split the equal way: it is allocation, not use. The parts of every
+held device add up to 1; what no holder takes (an idle device, unpartitioned slices of a MIG GPU)
+is counted as unattributed.
+
+**How long a gone claim is kept.** ``retention`` (10 minutes) after it was last seen, then its
+series goes. Long enough for any usual scrape interval (up to 5 minutes) to read its final value
+twice, so ``increase()`` sees the last interval; short enough that a node with claim churn keeps
+state (and series) for one retention window of churn, capped at ``max_gone`` entries. A claim
+that comes back within the window continues its counters; after it, it starts again at 0, which
+Prometheus reads as a new counter (``rate``/``increase`` are made for that).
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from ..devices.model import DeviceIdentity, Vendor
+from .snapshot import Snapshot
+
+EQUAL = "equal"
+PER_PROCESS = "per_process"
+
+ClaimKey = tuple[str, str]  # (namespace, claim)
+PodKey = tuple[str, str]  # (namespace, pod)
+# One holder's part of one device: (its claim, or None for a device-plugin pod; the pod; the share)
+Part = tuple[ClaimKey | None, PodKey, float]
+ProcessMemory = Mapping[tuple[str, str, str], int]  # (uuid, namespace, pod) -> bytes
+
+# Compute slices of a MIG-capable GPU: 7, except the A30's 4 (NVIDIA MIG user guide).
+MIG_SLICES = 7
+MIG_SLICES_BY_MODEL = (("A30", 4),)
+_MIG_PROFILE = re.compile(r"^(?:(\d+)c\.)?(\d+)g\.")
+
+
+@dataclass(frozen=True)
+class DeviceSplit:
+    """Who holds one device and how its figures are split, as of one cycle."""
+
+    uuid: str
+    gpu: str  # the physical GPU whose energy counter the device draws on
+    weight: float  # the device's part of its GPU (see the module doc)
+    fraction: float  # the part its holders get: the weight, scaled down if the GPU is over-held
+    rule: str  # EQUAL or PER_PROCESS: how ``usage`` was split
+    usage: tuple[Part, ...]  # split of usage, memory and energy; shares add up to 1
+    time: tuple[Part, ...]  # split of allocated time (always equal); shares add up to 1
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Running totals of one kind of holder (claims or pods), in key order. Column tuples: the
+    renderer pairs them with its cached label tuples without a loop of its own."""
+
+    keys: tuple[tuple[str, str], ...] = ()  # (namespace, claim) or (namespace, pod), sorted
+    joules: tuple[float, ...] = ()
+    seconds: tuple[float, ...] = ()  # device-seconds
+
+    def get(self, key: tuple[str, str]) -> tuple[float, float] | None:
+        """(joules, device-seconds) of one claim or pod; None if it has no series."""
+        try:
+            i = self.keys.index(key)
+        except ValueError:
+            return None
+        return self.joules[i], self.seconds[i]
+
+    def as_dict(self) -> dict[tuple[str, str], tuple[float, float]]:
+        return {k: (j, s) for k, j, s in zip(self.keys, self.joules, self.seconds, strict=True)}
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Totals as of one cycle. Immutable: the renderer reads it while the next is made."""
+
+    timestamp: float
+    claims: Totals = Totals()
+    pods: Totals = Totals()
+    splits: tuple[DeviceSplit, ...] = ()  # the held devices now, by uuid
+    integrated_joules: float = 0.0  # every GPU energy increase integrated since the start
+    unattributed_joules: float = 0.0  # the part of it no holder took
+
+
+def mig_weight(profile: str, model: str) -> float | None:
+    """A MIG device's compute slices over its GPU's, from the profile name; None if it does not parse."""
+    m = _MIG_PROFILE.match(profile or "")
+    if not m:
+        return None
+    slices = int(m.group(1) or m.group(2))
+    total = next((n for key, n in MIG_SLICES_BY_MODEL if key in (model or "")), MIG_SLICES)
+    return min(1.0, slices / total) if slices > 0 else None
+
+
+def device_weights(identities: Iterable[DeviceIdentity]) -> dict[str, tuple[str, float]]:
+    """uuid -> (physical GPU, the device's part of it) for every device (see the module doc)."""
+    idents = list(identities)
+    members: dict[str, list[DeviceIdentity]] = {}
+    for i in idents:
+        members.setdefault(i.physical_uuid, []).append(i)
+    by_uuid = {i.uuid: i for i in idents}
+    out: dict[str, tuple[str, float]] = {}
+    for i in idents:
+        gpu = i.physical_uuid
+        if not i.parent_uuid:
+            out[i.uuid] = (gpu, 1.0)  # a full GPU (or a MIG GPU held whole)
+            continue
+        group = members[gpu]
+        if i.vendor == Vendor.AMD:
+            out[i.uuid] = (gpu, 1.0 / len(group))  # partition 0 included: it stands for the GPU
+            continue
+        parent = by_uuid.get(gpu)
+        w = mig_weight(i.mig_profile, i.model or (parent.model if parent else ""))
+        if w is None and i.memory_total_bytes and parent is not None and parent.memory_total_bytes:
+            w = min(1.0, i.memory_total_bytes / parent.memory_total_bytes)
+        if w is None:
+            w = 1.0 / max(1, sum(1 for m in group if m.parent_uuid))
+        out[i.uuid] = (gpu, w)
+    return out
+
+
+def split_devices(snap: Snapshot, process_memory: ProcessMemory | None = None) -> tuple[DeviceSplit, ...]:
+    """Every held device of the snapshot, who holds it and how its figures are split. Pure."""
+    weights = device_weights(d.identity for d in snap.devices)
+    # device -> holder -> its pods; a holder is a claim (namespace, claim, "") or a device-plugin
+    # pod (namespace, "", pod)
+    held: dict[str, dict[tuple[str, str, str], set[str]]] = {}
+    for a in snap.allocations:
+        if not a.uuid or a.uuid not in weights:
+            continue
+        unit = (a.namespace, a.claim, "") if a.claim else (a.namespace, "", a.pod)
+        held.setdefault(a.uuid, {}).setdefault(unit, set()).add(a.pod)
+    # a physical GPU's held weight: more than 1 when it is held whole and in parts at once
+    per_gpu: dict[str, float] = {}
+    for uuid in held:
+        gpu, w = weights[uuid]
+        per_gpu[gpu] = per_gpu.get(gpu, 0.0) + w
+    out = []
+    for uuid in sorted(held):
+        gpu, w = weights[uuid]
+        total = per_gpu[gpu]
+        units = held[uuid]
+        time = _equal(units)
+        usage, rule = time, EQUAL
+        if process_memory is not None:
+            by_process = _per_process(uuid, units, process_memory)
+            if by_process is not None:
+                usage, rule = by_process, PER_PROCESS
+        out.append(DeviceSplit(uuid=uuid, gpu=gpu, weight=w, fraction=w / total if total > 1.0 else w, rule=rule, usage=usage, time=time))
+    return tuple(out)
+
+
+def _claim(unit: tuple[str, str, str]) -> ClaimKey | None:
+    return (unit[0], unit[1]) if unit[1] else None
+
+
+def _equal(units: Mapping[tuple[str, str, str], set[str]]) -> tuple[Part, ...]:
+    """Equally between the holders, then equally between a holder's pods."""
+    n = len(units)
+    return tuple(
+        (_claim(unit), (unit[0], pod), 1.0 / n / len(pods))
+        for unit, pods in sorted(units.items())
+        for pod in sorted(pods)
+    )
+
+
+def _per_process(uuid: str, units: Mapping[tuple[str, str, str], set[str]], memory: ProcessMemory) -> tuple[Part, ...] | None:
+    """By the memory each holder pod's processes use on the device; None when none uses any."""
+    pod_units: dict[PodKey, list[tuple[str, str, str]]] = {}
+    for unit, pods in units.items():
+        for pod in pods:
+            pod_units.setdefault((unit[0], pod), []).append(unit)
+    used = {pod: max(0, memory.get((uuid, pod[0], pod[1]), 0) or 0) for pod in pod_units}
+    total = sum(used.values())
+    if total <= 0:
+        return None
+    return tuple(
+        (_claim(unit), pod, used[pod] / total / len(pod_units[pod]))
+        for pod in sorted(pod_units)
+        for unit in sorted(pod_units[pod])
+    )
+
+
+# How much of a quantity (a GPU's energy increase, a second) goes to each holder: its keys and
+# their coefficients, summed over the parts of a set of splits. Made once per distinct set of
+# splits, so a cycle adds one product per claim and pod instead of walking every part.
+Column = tuple[tuple[tuple[str, str], ...], tuple[float, ...]]
+Coefficients = tuple[Column, Column, float]  # claims, pods, the part attributed at all
+
+
+def _coefficients(splits: Iterable[DeviceSplit], time: bool) -> Coefficients:
+    claims: dict[ClaimKey, float] = {}
+    pods: dict[PodKey, float] = {}
+    attributed = 0.0
+    for s in splits:
+        for claim, pod, share in s.time if time else s.usage:
+            part = s.fraction * share
+            attributed += part
+            if claim is not None:
+                claims[claim] = claims.get(claim, 0.0) + part
+            pods[pod] = pods.get(pod, 0.0) + part
+    return (tuple(claims), tuple(claims.values())), (tuple(pods), tuple(pods.values())), attributed
+
+
+class _Running:
+    """The running totals of one kind of holder, with who holds now and who went when."""
+
+    __slots__ = ("gone", "joules", "keys", "seconds")
+
+    def __init__(self) -> None:
+        self.joules: dict[tuple[str, str], float] = {}
+        self.seconds: dict[tuple[str, str], float] = {}
+        self.keys: tuple[tuple[str, str], ...] = ()  # every key with a series, sorted
+        self.gone: dict[tuple[str, str], float] = {}  # key -> when it was last held
+
+    def hold(self, current: set[tuple[str, str]], prev_t: float | None, now: float) -> None:
+        """The holders changed: new ones start at 0 (or continue, back within the retention);
+        the ones that left were last held at the previous cycle."""
+        joules, seconds, gone = self.joules, self.seconds, self.gone
+        for k in current:
+            if k not in joules:
+                joules[k] = seconds[k] = 0.0
+            gone.pop(k, None)
+        left = prev_t if prev_t is not None else now
+        for k in joules:
+            if k not in current and k not in gone:
+                gone[k] = left
+        self.keys = tuple(sorted(joules))
+
+    @staticmethod
+    def add(into: dict[tuple[str, str], float], column: Column, amount: float) -> None:
+        keys, coefs = column
+        try:
+            # the dense node adds ~1,500 products a cycle: in C, not in a loop of our own
+            into.update(zip(keys, map(operator.add, map(into.__getitem__, keys), map(float(amount).__mul__, coefs)), strict=True))
+        except KeyError:  # a holder of the interval's start expired since (a gap longer than the retention)
+            for k, c in zip(keys, coefs, strict=True):
+                if k in into:
+                    into[k] += amount * c
+
+    def expire(self, now: float, retention: float, max_gone: int) -> None:
+        gone = self.gone
+        if not gone:
+            return
+        drop = [k for k, t in gone.items() if now - t > retention]
+        if len(gone) - len(drop) > max_gone:  # a churn storm: keep the most recent
+            kept = sorted(((t, k) for k, t in gone.items() if now - t <= retention), reverse=True)
+            drop += [k for _, k in kept[max_gone:]]
+        if drop:
+            for k in drop:
+                del gone[k], self.joules[k], self.seconds[k]
+            self.keys = tuple(sorted(self.joules))
+
+    def totals(self) -> Totals:
+        keys = self.keys
+        return Totals(keys, tuple(map(self.joules.__getitem__, keys)), tuple(map(self.seconds.__getitem__, keys)))
+
+
+class UsageAccountant:
+    """Integrates each cycle's energy increases and allocated time into per-claim and per-pod totals.
+
+    Called by the sampler thread only (once per cycle, after the join); not thread-safe, and
+    needs not be: what it hands out is immutable.
+    """
+
+    def __init__(self, retention: float = 600.0, max_gone: int = 10_000) -> None:
+        self.retention = retention
+        self.max_gone = max_gone
+        self._claims = _Running()
+        self._pods = _Running()
+        self._prev_t: float | None = None
+        self._time_coef: Coefficients = _NONE  # the holders at the last cycle, for the interval since
+        # physical GPU -> (energy counter at its last good reading, the GPU's energy coefficients then)
+        self._energy: dict[str, tuple[float, Coefficients]] = {}
+        self._integrated = 0.0
+        self._unattributed = 0.0
+        # the last splits and what they were made from (the join hands back the very same
+        # allocations tuple while nothing moved, see JoinMemo)
+        self._memo: tuple[object, object, object, tuple[DeviceSplit, ...]] | None = None
+        self._gpu_coef: dict[str, Coefficients] = {}  # of the current splits, per physical GPU
+        self._split_time_coef: Coefficients = _NONE  # of the current splits
+
+    def update(self, snap: Snapshot, process_memory: ProcessMemory | None = None) -> Usage:
+        now = snap.timestamp
+        prev = self._prev_t
+        splits = self._splits(snap, process_memory, prev, now)
+        claims, pods = self._claims, self._pods
+
+        # allocated time since the last cycle, to the holders of that cycle
+        if prev is not None and now > prev:
+            dt = now - prev
+            c_coef, p_coef, _ = self._time_coef
+            claims.add(claims.seconds, c_coef, dt)
+            pods.add(pods.seconds, p_coef, dt)
+        if prev is None or now >= prev:
+            self._prev_t = now
+            self._time_coef = self._split_time_coef
+
+        # energy increases since each GPU's last good reading, to the holders of that reading
+        gpu_coef, energy = self._gpu_coef, self._energy
+        present = set()
+        for d in snap.devices:
+            ident = d.identity
+            if ident.is_partition:
+                continue
+            present.add(ident.uuid)
+            r = d.reading
+            e = r.energy_joules if r is not None and r.ok else None
+            if e is None or not e >= 0.0:  # no reading, not supported, or NaN
+                continue
+            last = energy.get(ident.uuid)
+            energy[ident.uuid] = (e, gpu_coef.get(ident.uuid, _NONE))
+            if last is None:
+                continue  # the first reading: a mark to count from
+            delta = e - last[0] if e >= last[0] else e  # went down: the counter restarted from 0
+            if delta <= 0.0:
+                continue
+            c_coef, p_coef, attributed = last[1]
+            claims.add(claims.joules, c_coef, delta)
+            pods.add(pods.joules, p_coef, delta)
+            self._integrated += delta
+            self._unattributed += delta - delta * attributed
+        if len(energy) > len(present):
+            for gone in [u for u in energy if u not in present]:
+                del energy[gone]
+
+        claims.expire(now, self.retention, self.max_gone)
+        pods.expire(now, self.retention, self.max_gone)
+        return Usage(
+            timestamp=now,
+            claims=claims.totals(),
+            pods=pods.totals(),
+            splits=splits,
+            integrated_joules=self._integrated,
+            unattributed_joules=max(0.0, self._unattributed),
+        )
+
+    def _splits(self, snap: Snapshot, process_memory: ProcessMemory | None, prev: float | None, now: float) -> tuple[DeviceSplit, ...]:
+        """This cycle's splits, remade only when the holders, the devices or the process memory moved."""
+        idents = [d.identity for d in snap.devices]
+        memo = self._memo
+        if memo is not None and memo[0] is snap.allocations and memo[2] == process_memory and memo[1] == idents:
+            return memo[3]
+        splits = split_devices(snap, process_memory)
+        self._memo = (snap.allocations, idents, None if process_memory is None else dict(process_memory), splits)
+        by_gpu: dict[str, list[DeviceSplit]] = {}
+        for s in splits:
+            by_gpu.setdefault(s.gpu, []).append(s)
+        self._gpu_coef = {gpu: _coefficients(ss, time=False) for gpu, ss in by_gpu.items()}
+        self._split_time_coef = _coefficients(splits, time=True)
+        # Every claim the join exports has counters (a claim whose devices did not resolve stays
+        # at 0), and so has every pod of those claims and every holder of a device.
+        claims = {(c.namespace, c.name) for c in snap.claims}
+        pods = {(c.namespace, p) for c in snap.claims for p in c.pods}
+        for s in splits:
+            for claim, pod, _ in s.time:
+                if claim is not None:
+                    claims.add(claim)
+                pods.add(pod)
+        self._claims.hold(claims, prev, now)
+        self._pods.hold(pods, prev, now)
+        return splits
+
+
+_NONE: Coefficients = (((), ()), ((), ()), 0.0)  # a GPU nobody holds: all of its energy is unattributed
