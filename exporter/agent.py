@@ -114,7 +114,7 @@ class Agent:
         self.cfg = cfg
         self.src = sources
         self.clock = clock
-        self.health = HealthEngine(clock, health_policy or HealthPolicy(clear_hold=cfg.fault_clear_seconds))
+        self.health = HealthEngine(clock, health_policy or HealthPolicy(clear_hold=cfg.fault_clear_seconds, stuck_after=cfg.stuck_reading_seconds))
         self.runner = DeadlineRunner()
         # The agent's own CPU starvation is told apart from stuck device calls: a lag of half a
         # deadline is starvation, and one keeps the agent "starved" long enough for a call that

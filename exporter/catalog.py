@@ -53,7 +53,7 @@ CATALOG: tuple[MetricDef, ...] = (
     _m("gpu_read_errors_total", "counter", "uuid,reason", "Cycles in which the device could not be read, by reason"),
     _m("gpu_process_memory_used_bytes", "gauge", "uuid,namespace,pod", "Device memory used by a pod's processes (per-process attribution, needs --per-process)"),
     # health
-    _m("gpu_healthy", "gauge", U, "1 healthy, 0 not (a fatal or degraded condition is active)"),
+    _m("gpu_healthy", "gauge", U, "1 healthy, 0 not (a fatal or degraded condition is active; reading_stuck excepted)"),
     _m("gpu_health_condition", "gauge", "uuid,tier,reason", "1 while a condition is active, tier=fatal|degraded|informational"),
     _m("gpu_xid_errors_total", "counter", "uuid,xid", "XID events received"),
     # attribution

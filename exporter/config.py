@@ -508,6 +508,12 @@ FAULT_CLEAR_SECONDS = Flag(
     help="a fatal fault clears this long after a GPU reset, a polled fault this long after it was last seen",
     doc="a fatal fault clears this long after a GPU reset has been observed; a polled fault (lost, hung, remap pending) this long after it was last seen",
 )
+STUCK_READING_SECONDS = Flag(
+    "stuck-reading-seconds", Number(0, _SECONDS_A_WEEK), 600.0, metavar="SECONDS",
+    help="a reading frozen this long while the GPU reports activity raises reading_stuck (degraded, never tainted); 0: off",
+    doc="a reading frozen this long while the GPU reports activity (energy flat under power; profiling ratios at exactly 0 while "
+    "utilization is at least 50 %) raises `reading_stuck` (degraded, never tainted); `0` turns the check off",
+)
 WEB_CONFIG_FILE: Flag[str | None] = Flag(
     "web-config-file", parse_web_config_file, None, metavar="PATH",
     help="TLS, client-certificate and basic-auth settings for the HTTP endpoint, in the Prometheus exporter-toolkit format",
@@ -548,7 +554,7 @@ TIME_SCALE = Flag(
 FLAGS: tuple[Flag[Any], ...] = (
     LISTEN, INTERVAL, BACKEND, TAINT_MODE, LOG_FORMAT, LOG_LEVEL, CALL_TIMEOUT, PER_PROCESS, POD_LABEL_ALLOWLIST,
     EXCLUDE_METRICS, DCGM_COMPAT_LABELS, TAINT_RATE_LIMIT, TAINT_BUDGET_FRACTION, TAINT_HOLD_SECONDS,
-    TAINT_SETTLE_SECONDS, NODE_FAULT_WINDOW, HUNG_AFTER, FAULT_CLEAR_SECONDS, WEB_CONFIG_FILE,
+    TAINT_SETTLE_SECONDS, NODE_FAULT_WINDOW, HUNG_AFTER, FAULT_CLEAR_SECONDS, STUCK_READING_SECONDS, WEB_CONFIG_FILE,
     NODE_NAME, KUBELET_SOCKET, KUBECONFIG, SCENARIO, TIME_SCALE,
 )
 
@@ -578,6 +584,7 @@ class Config:
     node_fault_window: float = NODE_FAULT_WINDOW.default
     hung_after: float = HUNG_AFTER.default
     fault_clear_seconds: float = FAULT_CLEAR_SECONDS.default
+    stuck_reading_seconds: float = STUCK_READING_SECONDS.default
     web_config_file: str | None = WEB_CONFIG_FILE.default
     scenario: str = SCENARIO.default
     time_scale: float = TIME_SCALE.default
