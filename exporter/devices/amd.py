@@ -28,7 +28,6 @@ import io
 import os
 import re
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ from typing import Any
 
 import structlog
 
-from .base import BackendUnavailable, DeviceBackend, EventSink
+from .base import BackendUnavailable, DeviceBackend, EventSink, EventThread
 from .model import (
     DeviceEvent,
     DeviceIdentity,
@@ -450,8 +449,7 @@ class AmdSmiBackend(DeviceBackend):
         self._driver_version = ""
         self._event_poll_ms = event_poll_ms
         self._event_backoff = event_error_backoff_s
-        self._event_stop = threading.Event()
-        self._event_thread: threading.Thread | None = None
+        self._events: EventThread = EventThread("amdsmi-events")
         self._event_readers: list[Any] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -482,11 +480,8 @@ class AmdSmiBackend(DeviceBackend):
         log.info("amdsmi_opened", version=getattr(amdsmi, "__version__", ""))
 
     def close(self) -> None:
-        self._event_stop.set()
-        thread, self._event_thread = self._event_thread, None
-        if thread is not None:
-            # The reader wakes at least every poll interval; a wedged one is abandoned (daemon).
-            thread.join(self._event_poll_ms / 1000.0 + 1.0)
+        # The reader wakes at least every poll interval; a wedged one is abandoned (daemon).
+        self._events.stop(self._event_poll_ms / 1000.0 + 1.0)
         for reader in self._event_readers:
             with contextlib.suppress(Exception):
                 reader.stop()
@@ -628,7 +623,7 @@ class AmdSmiBackend(DeviceBackend):
     def start_events(self, sink: EventSink) -> None:
         """Watch KFD reset notifications on a daemon thread. Best effort: any failure to set up
         is logged and leaves the backend working without events."""
-        if self._event_thread is not None:
+        if self._events.started:
             return
         am = self._require()
         self.enumerate()
@@ -646,40 +641,28 @@ class AmdSmiBackend(DeviceBackend):
         if not readers:
             return
         self._event_readers = readers
-        self._event_stop.clear()
         # One reader thread: amdsmi_get_gpu_event_notification is a global poll that drains the
         # events of every registered device, whichever reader object calls it.
-        self._event_thread = threading.Thread(
-            target=self._event_loop, args=(readers[0], sink), name="amdsmi-events", daemon=True
-        )
-        self._event_thread.start()
+        reader = readers[0]
+        self._events.start(lambda: self._event_turn(reader, sink))
 
-    def event_heartbeat(self) -> float | None:
-        """The event thread's latest turn round its loop (None: no event thread running)."""
-        t = self._event_thread
-        if t is None or self._event_stop.is_set():
-            return None
-        return getattr(self, "_event_beat", None)
-
-    def _event_loop(self, reader: Any, sink: EventSink) -> None:
+    def _event_turn(self, reader: Any, sink: EventSink) -> None:
         status = self._status
-        while not self._event_stop.is_set():
-            self._event_beat = time.monotonic()  # liveness: the loop still turns
+        try:
+            events = reader.read(self._event_poll_ms, 32)
+        except Exception as exc:
+            if status is not None and _error_code(exc) == status.no_data:
+                return  # the wait timed out without events
+            if self._events.stopping():
+                return
+            log.warning("amdsmi_event_read_failed", error=_oneline(exc))
+            self._events.wait(self._event_backoff)
+            return
+        for ev in events:
             try:
-                events = reader.read(self._event_poll_ms, 32)
-            except Exception as exc:
-                if status is not None and _error_code(exc) == status.no_data:
-                    continue  # the wait timed out without events
-                if self._event_stop.is_set():
-                    return
-                log.warning("amdsmi_event_read_failed", error=_oneline(exc))
-                self._event_stop.wait(self._event_backoff)
-                continue
-            for ev in events:
-                try:
-                    self._deliver(ev, sink)
-                except Exception:
-                    log.exception("amdsmi_event_dropped")
+                self._deliver(ev, sink)
+            except Exception:
+                log.exception("amdsmi_event_dropped")
 
     def _deliver(self, ev: Mapping[str, Any], sink: EventSink) -> None:
         name = str(ev.get("event", ""))
