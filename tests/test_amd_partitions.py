@@ -15,13 +15,16 @@ import pytest
 from fakes import fake_amdsmi as fake
 from fakes.amd_dra_slices import resource_slice
 from fakes.fake_amdsmi import FakeAmdGpu, FakeAmdSmiNode, Status, mi300x_cpx_amdsmi_7_0
+from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.devices.amd import AmdSmiBackend, GpuProbe, assign_partitions
 from exporter.devices.model import DeviceIdentity, DeviceReading
 from exporter.k8s.parse import parse_slice
 from exporter.k8s.resolve import DeviceIndex, resolve
 from exporter.kubelet.model import AllocationSource, ContainerAllocation
+from exporter.metrics.render import Renderer, RenderState
 from exporter.model.join import JoinInputs, join
+from exporter.model.snapshot import Snapshot
 
 GiB = 1024**3
 NODE = "mi300x-node"
@@ -147,7 +150,7 @@ def test_both_driver_generations_resolve_every_device_to_its_partition(node_and_
 # ---------------------------------------------------------------------------------- claim figures
 
 
-def _claim_on(names: list[str], node: FakeAmdSmiNode, backend: AmdSmiBackend, generation: str = "v1"):
+def _snapshot(names: list[str], node: FakeAmdSmiNode, backend: AmdSmiBackend, generation: str = "v1") -> Snapshot:
     idents = tuple(backend.enumerate())
     readings: dict[str, DeviceReading] = {d.uuid: backend.read(d) for d in idents}
     slices = {sd.key: sd for sd in parse_slice(resource_slice(NODE, node.gpus, generation=generation), "resource.k8s.io/v1")}
@@ -158,9 +161,27 @@ def _claim_on(names: list[str], node: FakeAmdSmiNode, backend: AmdSmiBackend, ge
         )
         for name in names
     )
-    snap = join(JoinInputs(node=NODE, timestamp=1.0, identities=idents, readings=readings, health={}, allocations=allocations, slices=slices))
-    (claim,) = snap.claims
+    return join(JoinInputs(node=NODE, timestamp=1.0, identities=idents, readings=readings, health={}, allocations=allocations, slices=slices))
+
+
+def _claim_on(names: list[str], node: FakeAmdSmiNode, backend: AmdSmiBackend, generation: str = "v1"):
+    (claim,) = _snapshot(names, node, backend, generation).claims
     return claim
+
+
+def test_the_exported_series_carry_the_mode_and_the_pool_once(node_and_backend) -> None:
+    """What a scrape shows: gpu_info on all 8 partitions says CPX; the claim's memory is the
+    pool's (192 GiB), each partition's own gauges show the pool as amdsmi reports it."""
+    node, parts, backend = node_and_backend
+    parts[0].pool.used = 40 * GiB  # type: ignore[union-attr]
+    snap = _snapshot(["gpu-2-129", "gpu-5-132"], node, backend)
+    body = Renderer().render(RenderState(snapshot=snap)).body.decode()
+    samples = {f.name: f.samples for f in text_string_to_metric_families(body)}
+    profiles = {s.labels["uuid"]: s.labels["mig_profile"] for s in samples["gpu_info"] if s.labels["pci_bus_id"] == "0000:83:00.0"}
+    assert len(profiles) == 8 and set(profiles.values()) == {"CPX"}
+    (total,) = samples["dra_claim_memory_total_bytes"]
+    (used,) = samples["dra_claim_memory_used_bytes"]
+    assert (used.value, total.value) == (40 * GiB, 192 * GiB)
 
 
 @pytest.mark.parametrize("generation", ["v1", "alpha"])
