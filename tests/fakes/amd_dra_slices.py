@@ -1,7 +1,8 @@
 """ResourceSlices as ROCm/k8s-gpu-dra-driver publishes them, for the GPUs of a fake amdsmi node.
 
 Two generations, read from the driver's source (``cmd/gpu-kubeletplugin/deviceinfo.go`` and
-``discovery.go``, ``pkg/amdgpu/amdgpu.go``, ``pkg/consts/consts.go``; ``docs/driver-attributes.md``):
+``discovery.go``, ``pkg/amdgpu/amdgpu.go``, ``pkg/consts/consts.go``;
+https://github.com/ROCm/k8s-gpu-dra-driver/blob/main/docs/driver-attributes.md):
 
 * **v1.x** (v1.0.0, 2026-05): device names ``gpu-<card>-<render>``; ``type`` ``amdgpu`` (a full
   GPU) or ``amdgpu-partition`` (a GPU in DPX/CPX...: every partition, the first included, since
