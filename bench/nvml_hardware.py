@@ -6,11 +6,11 @@ Usage (from the repository root, on a GPU node; changes nothing on the GPUs):
     python bench/nvml_hardware.py [--reads 300] [--rounds 5] [--out FILE.json]
 
 The backend is opened as the agent opens it (processes and GPM on). For each device, the
-library calls one ``read()`` makes are captured once by wrapping the backend's single call
-site (``NvmlBackend._call``); then "backend" (``read()``) and "raw" (the same pynvml calls,
-same arguments, replayed in a tight loop) run in alternating rounds, each keeping its fastest
-round, so a noisy neighbour penalises neither side. ``overhead = backend / raw - 1`` is the
-Python the backend adds over nvidia-ml-py's own wrappers and the driver. The fake-library
+library calls one ``read()`` makes are captured once by wrapping the single call site every
+reader calls through (``Calls.call``); then "backend" (``read()``) and "raw" (the same pynvml
+calls, same arguments, replayed in a tight loop) run in alternating rounds, each keeping its
+fastest round, so a noisy neighbour penalises neither side. ``overhead = backend / raw - 1`` is
+the Python the backend adds over nvidia-ml-py's own wrappers and the driver. The fake-library
 figure in ``bench/run.py nvml`` measures the same thing with no driver work at all (a worst
 case); this is the figure on real hardware.
 """
@@ -36,18 +36,19 @@ from exporter.devices.nvml import FIELD_REQUESTS, NvmlBackend
 def capture(backend: NvmlBackend, ident: Any) -> list[tuple[str, Any, tuple, dict]]:
     """The (key, fn, args, kwargs) of every library call one read of ``ident`` makes."""
     seen: list[tuple[str, Any, tuple, dict]] = []
-    original = backend._call
+    calls = backend._calls  # the readers' single call site (exporter/devices/nvml/device.py)
+    original = calls.call
 
     def recording(dev: Any, key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if key not in dev.unsupported:
             seen.append((key, fn, args, kwargs))
         return original(dev, key, fn, *args, **kwargs)
 
-    backend._call = recording  # type: ignore[method-assign]
+    calls.call = recording  # type: ignore[method-assign]
     try:
         backend.read(ident)
     finally:
-        del backend._call  # back to the class's method
+        del calls.call  # back to the class's method
     return seen
 
 

@@ -16,12 +16,21 @@ from dataclasses import dataclass
 
 import structlog
 
-from exporter.devices.base import DeviceBackend, EventSink
+from exporter.devices.base import DeviceBackend, EventSink, EventThread
 from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction, Vendor
 
 from .scenario import Fault, GpuSpec, MigSpec, Scenario
 
 log = structlog.get_logger(__name__)
+
+# scripted fault kinds that a vendor library would report as events
+_EVENT_KINDS = {
+    "xid": EventKind.XID,
+    "lost": EventKind.GPU_LOST,
+    "reset": EventKind.RESET,
+    "recovery_action": EventKind.RECOVERY_ACTION,
+    "ecc_uncorrectable": EventKind.ECC_DBE,
+}
 
 
 class SimClock:
@@ -108,14 +117,16 @@ class SimBackend(DeviceBackend):
     def __init__(self, scenario: Scenario, clock: SimClock | None = None) -> None:
         self.scenario = scenario
         self.clock = clock or SimClock()
-        self._stop = threading.Event()
+        # The event thread's scaffolding is the vendors' (base.EventThread). No heartbeat: the
+        # thread sleeps until the next scripted fault, however far away, which is not a stall.
+        self._events: EventThread = EventThread("sim-events", heartbeat=False)
+        self._stop = self._events.stop_event  # close() also ends the hangs read() is scripted into
         self._wake = threading.Condition()
         self.clock.on_change(self._clock_changed)
         self._injected: deque[DeviceEvent] = deque()
         self._energy: dict[str, _Energy] = {}
         self._identities: list[DeviceIdentity] = []
         self._by_uuid: dict[str, tuple[GpuSpec, MigSpec | None]] = {}
-        self._thread: threading.Thread | None = None
 
     # -- DeviceBackend -----------------------------------------------------------------------
     def open(self) -> None:
@@ -226,8 +237,8 @@ class SimBackend(DeviceBackend):
         # "From now on" is decided here, not when the thread gets to run: at a high time scale
         # a late thread start would otherwise skip the first events.
         start = self.clock.now()
-        self._thread = threading.Thread(target=self._event_loop, args=(sink, start), name="sim-events", daemon=True)
-        self._thread.start()
+        pending = deque(f for f in self.scenario.faults if f.kind in _EVENT_KINDS and f.at >= start)
+        self._events.start(lambda: self._event_turn(sink, pending))
 
     def inject(self, events: Iterable[DeviceEvent]) -> None:
         """Queue events for delivery on the event thread, in order, as a vendor library's
@@ -239,11 +250,10 @@ class SimBackend(DeviceBackend):
             self._wake.notify()
 
     def close(self) -> None:
-        self._stop.set()
+        self._events.request_stop()
         with self._wake:
             self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=2)
+        self._events.join(2.0)
 
     # -- internals ---------------------------------------------------------------------------
     def _clock_changed(self) -> None:
@@ -296,31 +306,23 @@ class SimBackend(DeviceBackend):
             e.t = t
         return round(e.joules, 3)
 
-    def _event_loop(self, sink: EventSink, start: float) -> None:
-        kinds = {
-            "xid": EventKind.XID,
-            "lost": EventKind.GPU_LOST,
-            "reset": EventKind.RESET,
-            "recovery_action": EventKind.RECOVERY_ACTION,
-            "ecc_uncorrectable": EventKind.ECC_DBE,
-        }
-        pending = deque(f for f in self.scenario.faults if f.kind in kinds and f.at >= start)
-        while not self._stop.is_set():
-            with self._wake:
-                if not self._injected and not self._stop.is_set():
-                    # Until the next scripted fault is due (or forever), or until inject() or
-                    # close() wakes us. Capped: a clock that barely moves would ask for a wait
-                    # longer than a lock accepts.
-                    self._wake.wait(min(3600.0, self.clock.real_seconds(pending[0].at - self.clock.now())) if pending else None)
-                batch, self._injected = self._injected, deque()
-            while batch and not self._stop.is_set():
-                self._deliver(sink, batch.popleft())  # popped: a delivered event is not kept
-            while pending and pending[0].at <= self.clock.now() and not self._stop.is_set():
-                f = pending.popleft()
-                uuid = self.scenario.gpu(f.gpu).uuid
-                ev = DeviceEvent(uuid=uuid, kind=kinds[f.kind], code=f.code, timestamp=self.clock.epoch(f.at), detail=f"scripted {f.kind}")
-                log.info("sim_event", uuid=uuid, kind=ev.kind.value, code=f.code, sim_t=round(f.at, 1))
-                self._deliver(sink, ev)
+    def _event_turn(self, sink: EventSink, pending: deque[Fault]) -> None:
+        stopping = self._events.stopping
+        with self._wake:
+            if not self._injected and not stopping():
+                # Until the next scripted fault is due (or forever), or until inject() or
+                # close() wakes us. Capped: a clock that barely moves would ask for a wait
+                # longer than a lock accepts.
+                self._wake.wait(min(3600.0, self.clock.real_seconds(pending[0].at - self.clock.now())) if pending else None)
+            batch, self._injected = self._injected, deque()
+        while batch and not stopping():
+            self._deliver(sink, batch.popleft())  # popped: a delivered event is not kept
+        while pending and pending[0].at <= self.clock.now() and not stopping():
+            f = pending.popleft()
+            uuid = self.scenario.gpu(f.gpu).uuid
+            ev = DeviceEvent(uuid=uuid, kind=_EVENT_KINDS[f.kind], code=f.code, timestamp=self.clock.epoch(f.at), detail=f"scripted {f.kind}")
+            log.info("sim_event", uuid=uuid, kind=ev.kind.value, code=f.code, sim_t=round(f.at, 1))
+            self._deliver(sink, ev)
 
     @staticmethod
     def _deliver(sink: EventSink, ev: DeviceEvent) -> None:

@@ -463,7 +463,7 @@ def test_close_stops_events_and_shuts_down(node: FakeAmdSmiNode) -> None:
     b = AmdSmiBackend(event_poll_ms=20)
     b.open()
     b.start_events(Sink())
-    thread = b._event_thread
+    thread = b._events.thread
     assert thread is not None and thread.is_alive()
     b.close()
     assert not thread.is_alive()

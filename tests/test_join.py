@@ -138,6 +138,25 @@ def test_claim_over_several_devices_aggregates():
     assert c.healthy
 
 
+def test_memory_a_claims_devices_share_is_counted_once_per_pool():
+    """Devices naming one memory_pool report the same memory (amdsmi 7.0.x: an MI300X's whole
+    NPS1 pool on each CPX partition): the claim counts the pool once, read moments apart so the
+    largest figure, and adds memory of other devices' own."""
+    pool = G0.uuid
+    p0 = dataclasses.replace(G0, parent_uuid=pool, memory_pool=pool)
+    p1 = dataclasses.replace(G1, parent_uuid=pool, memory_pool=pool)
+    readings = {i.uuid: reading(i.uuid) for i in IDENTS}
+    readings[p0.uuid] = reading(p0.uuid, mem=40 * 2**30, total=192 * 2**30)
+    readings[p1.uuid] = reading(p1.uuid, mem=41 * 2**30, total=192 * 2**30)
+    idents = (p0, p1, G2, M20, M24, G3)
+    snap = run([dra("ml", "p", "main", "big", "gpu-0"), dra("ml", "p", "main", "big", "gpu-1")], readings=readings, identities=idents)
+    (c,) = snap.claims
+    assert (c.memory_used_bytes, c.memory_total_bytes) == (41 * 2**30, 192 * 2**30)
+    snap = run([dra("ml", "p", "main", "big", d) for d in ("gpu-0", "gpu-1", "gpu-3")], readings=readings, identities=idents)
+    (c,) = snap.claims
+    assert (c.memory_used_bytes, c.memory_total_bytes) == (51 * 2**30, 272 * 2**30)
+
+
 def test_mig_claim_uses_sm_activity_and_has_no_power():
     readings = {i.uuid: reading(i.uuid) for i in IDENTS}
     readings[M20.uuid] = DeviceReading(uuid=M20.uuid, utilization_ratio=None, sm_active_ratio=0.3, memory_used_bytes=5, memory_total_bytes=40)

@@ -28,7 +28,8 @@ from kit_helpers import wait_until
 from exporter.devices.base import BackendUnavailable
 from exporter.devices.deadline import CallHung, DeadlineRunner
 from exporter.devices.model import DeviceEvent, DeviceIdentity, EventKind, ReadError, RecoveryAction, Vendor
-from exporter.devices.nvml import FIELD_IDS, NvmlBackend, _decode_batch, mig_profile_from_name, mig_profile_from_size
+from exporter.devices.nvml import FIELD_IDS, NvmlBackend, mig_profile_from_name, mig_profile_from_size
+from exporter.devices.nvml.abi import decode_batch
 
 GPU0 = "GPU-0a6e4c3b-8a3d-4f34-9d5e-3f0f7d1c2b10"
 GPU1 = "GPU-5c9f2d61-1e7b-4b8e-a0a4-6d2c9e8f7a21"
@@ -295,7 +296,7 @@ def test_field_value_batch_is_decoded_by_value_type_from_pynvml_structures() -> 
         setattr(arr[i].value, member, value)
     arr[7].valueType, arr[7].nvmlReturn = 3, NOT_SUPPORTED  # failed entry: no value
     arr[8].valueType, arr[8].nvmlReturn = 99, 0  # unknown value type: no value
-    assert _decode_batch(arr, len(arr)) == [(0, v) for _, v in members.values()] + [(NOT_SUPPORTED, None), (0, None)]
+    assert decode_batch(arr, len(arr)) == [(0, v) for _, v in members.values()] + [(NOT_SUPPORTED, None), (0, None)]
 
 
 def test_unknown_device_reads_as_gone(nvml) -> None:
@@ -510,7 +511,7 @@ def test_event_wait_gpu_lost_probes_devices(nvml) -> None:
 def test_close_stops_the_event_thread_and_shuts_nvml_down(nvml) -> None:
     fake, backend = nvml([busy_gpu()])
     backend.start_events(lambda ev: None)
-    thread = backend._event_thread
+    thread = backend._events.thread
     assert thread is not None and thread.is_alive()
     backend.close()
     assert not thread.is_alive()
@@ -711,7 +712,7 @@ def test_field_value_decode_matches_pynvml_struct_access():
 
     import pynvml
 
-    from exporter.devices.nvml import _SUCCESS, _decode_batch
+    from exporter.devices.nvml.abi import SUCCESS, decode_batch
 
     members = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
     cases = [(0, 0, 3.25), (1, 0, 2**32 - 1), (2, 0, 2**63 + 5), (3, 0, 2**64 - 1), (4, 0, -(2**62)), (5, 0, -7), (6, 0, 65535), (1, 3, 9), (9, 0, 1)]
@@ -724,6 +725,6 @@ def test_field_value_decode_matches_pynvml_struct_access():
     want = []
     for entry, (vtype, ret, _) in zip(arr, cases, strict=True):
         raw = pynvml.c_nvmlFieldValue_t.from_buffer_copy(entry)
-        want.append((ret, getattr(raw.value, members[vtype]) if ret == _SUCCESS and vtype in members else None))
-    assert _decode_batch(arr, len(cases)) == want
-    assert _decode_batch(arr, 3) == want[:3]
+        want.append((ret, getattr(raw.value, members[vtype]) if ret == SUCCESS and vtype in members else None))
+    assert decode_batch(arr, len(cases)) == want
+    assert decode_batch(arr, 3) == want[:3]

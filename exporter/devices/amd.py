@@ -28,7 +28,6 @@ import io
 import os
 import re
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ from typing import Any
 
 import structlog
 
-from .base import BackendUnavailable, DeviceBackend, EventSink
+from .base import BackendUnavailable, DeviceBackend, EventSink, EventThread
 from .model import (
     DeviceEvent,
     DeviceIdentity,
@@ -118,9 +117,10 @@ class GpuProbe:
     serial: str = ""
     card: int | None = None
     render: int | None = None
-    memory_total_bytes: int | None = None
-    compute_partition: str = ""  # "SPX", "DPX", "CPX", ... ("" when unknown)
+    memory_total_bytes: int | None = None  # VRAM as this handle reports it
+    compute_partition: str = ""  # "SPX", "DPX", "CPX", ... ("" when unknown or unanswered)
     partition_id: int | None = None  # kfd current_partition_id
+    memory_partition: str = ""  # "NPS1", "NPS2", "NPS4", "NPS8" ("" when unknown or unanswered)
 
 
 def _bdf_split(bdf: str) -> tuple[int, int, int, int] | None:
@@ -128,6 +128,32 @@ def _bdf_split(bdf: str) -> tuple[int, int, int, int] | None:
     if not m:
         return None
     return tuple(int(x, 16) for x in m.groups())  # type: ignore[return-value]
+
+
+def _group_mode(members: list[GpuProbe], attr: str) -> str:
+    """A partition mode is the GPU's, not the partition's: the first answer in partition order.
+
+    amdsmi 7.0.x answers the partition queries only on a GPU's first partition (fixed upstream
+    in ROCm/rocm-systems#8491, mid-2026); the other partitions' errors leave "" here."""
+    return next((v for v in (getattr(p, attr) for p in members) if v), "")
+
+
+def _memory_pools(members: list[GpuProbe], parent_uuid: str, memory_mode: str) -> list[str]:
+    """The memory pool of each partition of one GPU ("" = memory of its own), in member order.
+
+    In NPS1 the GPU's memory is one NUMA pool that every compute partition allocates from, and
+    amdsmi 7.0.x reports that whole pool (total and used) on each partition: partitions that all
+    report the same VRAM total share the parent's pool. No memory-mode answer at all counts as
+    NPS1, the mode every partitioned MI300 supports. In NPS2/NPS4/NPS8, or when the partitions
+    report different totals (per-partition VRAM), each partition's memory is its own.
+    """
+    own = [""] * len(members)
+    if memory_mode.strip().upper() not in ("", "NPS1"):
+        return own
+    totals = {p.memory_total_bytes for p in members}
+    if len(totals) != 1 or None in totals:
+        return own
+    return [parent_uuid] * len(members)
 
 
 def assign_partitions(probes: list[GpuProbe]) -> tuple[list[DeviceIdentity], dict[str, int]]:
@@ -139,10 +165,12 @@ def assign_partitions(probes: list[GpuProbe]) -> tuple[list[DeviceIdentity], dic
     member with the lowest (function, partition id, index) is partition 0 and stands for the
     physical GPU: *every* member, partition 0 included, gets ``parent_uuid`` = partition 0's
     uuid (so ``parent_uuid or uuid`` is always the physical-GPU key), ``mig_profile`` = the
-    compute partition mode, and ``pci_bus_id`` = the group's function-0 address (what lspci and
-    DRA's pciBusID show). A handle alone at its address is a whole GPU (no parent, no profile).
-    Should a library report the same uuid for several partitions, later ones get ``-p<N>``
-    appended so identities stay unique.
+    GPU's compute partition mode (whichever partition answered, see _group_mode),
+    ``memory_pool`` per _memory_pools, and ``pci_bus_id`` = the group's function-0 address
+    (what lspci and DRA's pciBusID show). A handle alone at its address is a whole GPU (no
+    parent, no profile, its own memory). amdsmi before ROCm 7.12 reports one uuid for all
+    partitions of a GPU (it is made from the GPU's serial): later ones get ``-p<partition id>``
+    appended so identities stay unique (and stable across rescans).
 
     Returns the identities and uuid -> handle key.
     """
@@ -157,13 +185,17 @@ def assign_partitions(probes: list[GpuProbe]) -> tuple[list[DeviceIdentity], dic
     seen: set[str] = set()
     for _key, members in groups.items():
         members.sort(key=lambda m: ((m[0] or (0, 0, 0, 0))[3], m[1].partition_id or 0, m[1].index))
+        probes_in = [p for _, p in members]
         partitioned = len(members) > 1
-        parent_uuid = members[0][1].uuid if partitioned else ""
+        parent_uuid = probes_in[0].uuid if partitioned else ""
+        mode = _group_mode(probes_in, "compute_partition") if partitioned else ""
+        pools = _memory_pools(probes_in, parent_uuid, _group_mode(probes_in, "memory_partition")) if partitioned else [""]
+        renamed: list[str] = []
         for pos, (parts, p) in enumerate(members):
             uuid = p.uuid
             if uuid in seen:
                 uuid = f"{p.uuid}-p{p.partition_id if p.partition_id is not None else pos}"
-                log.warning("amdsmi_duplicate_uuid", uuid=p.uuid, renamed=uuid, bdf=p.bdf)
+                renamed.append(uuid)
             seen.add(uuid)
             if partitioned and parts is not None:
                 bus_id = "%04x:%02x:%02x.0" % parts[:3]
@@ -178,14 +210,17 @@ def assign_partitions(probes: list[GpuProbe]) -> tuple[list[DeviceIdentity], dic
                     index=p.index,
                     driver_version=p.driver_version,
                     parent_uuid=parent_uuid,
-                    mig_profile=p.compute_partition if partitioned else "",
+                    mig_profile=mode,
                     card_index=p.card,
                     render_index=p.render,
                     serial=p.serial,
                     memory_total_bytes=p.memory_total_bytes,
+                    memory_pool=pools[pos],
                 )
             )
             handles[uuid] = p.handle_key
+        if renamed:
+            log.info("amdsmi_duplicate_uuid", uuid=probes_in[0].uuid, renamed=renamed, bdf=probes_in[0].bdf)
     identities.sort(key=lambda d: d.index)
     return identities, handles
 
@@ -450,8 +485,7 @@ class AmdSmiBackend(DeviceBackend):
         self._driver_version = ""
         self._event_poll_ms = event_poll_ms
         self._event_backoff = event_error_backoff_s
-        self._event_stop = threading.Event()
-        self._event_thread: threading.Thread | None = None
+        self._events: EventThread = EventThread("amdsmi-events")
         self._event_readers: list[Any] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -482,11 +516,8 @@ class AmdSmiBackend(DeviceBackend):
         log.info("amdsmi_opened", version=getattr(amdsmi, "__version__", ""))
 
     def close(self) -> None:
-        self._event_stop.set()
-        thread, self._event_thread = self._event_thread, None
-        if thread is not None:
-            # The reader wakes at least every poll interval; a wedged one is abandoned (daemon).
-            thread.join(self._event_poll_ms / 1000.0 + 1.0)
+        # The reader wakes at least every poll interval; a wedged one is abandoned (daemon).
+        self._events.stop(self._event_poll_ms / 1000.0 + 1.0)
         for reader in self._event_readers:
             with contextlib.suppress(Exception):
                 reader.stop()
@@ -571,7 +602,10 @@ class AmdSmiBackend(DeviceBackend):
         driver = opt(lambda: am.amdsmi_get_gpu_driver_info(h), {}) or {}
         kfd = opt(lambda: am.amdsmi_get_gpu_kfd_info(h), {}) or {}
         total = opt(lambda: am.amdsmi_get_gpu_memory_total(h, am.AmdSmiMemoryType.VRAM))
+        # amdsmi 7.0.x answers these on a GPU's first partition only; assign_partitions takes
+        # the mode from whichever partition answered.
         partition = opt(lambda: am.amdsmi_get_gpu_compute_partition(h), "") or ""
+        memory_partition = opt(lambda: am.amdsmi_get_gpu_memory_partition(h), "") or ""
 
         def text(v: Any) -> str:
             return "" if v in (None, "N/A") else str(v)
@@ -593,6 +627,7 @@ class AmdSmiBackend(DeviceBackend):
             memory_total_bytes=integer(total),
             compute_partition=text(partition),
             partition_id=integer(kfd.get("current_partition_id")),
+            memory_partition=text(memory_partition),
         )
 
     # -- reading --------------------------------------------------------------------------------
@@ -628,7 +663,7 @@ class AmdSmiBackend(DeviceBackend):
     def start_events(self, sink: EventSink) -> None:
         """Watch KFD reset notifications on a daemon thread. Best effort: any failure to set up
         is logged and leaves the backend working without events."""
-        if self._event_thread is not None:
+        if self._events.started:
             return
         am = self._require()
         self.enumerate()
@@ -646,40 +681,28 @@ class AmdSmiBackend(DeviceBackend):
         if not readers:
             return
         self._event_readers = readers
-        self._event_stop.clear()
         # One reader thread: amdsmi_get_gpu_event_notification is a global poll that drains the
         # events of every registered device, whichever reader object calls it.
-        self._event_thread = threading.Thread(
-            target=self._event_loop, args=(readers[0], sink), name="amdsmi-events", daemon=True
-        )
-        self._event_thread.start()
+        reader = readers[0]
+        self._events.start(lambda: self._event_turn(reader, sink))
 
-    def event_heartbeat(self) -> float | None:
-        """The event thread's latest turn round its loop (None: no event thread running)."""
-        t = self._event_thread
-        if t is None or self._event_stop.is_set():
-            return None
-        return getattr(self, "_event_beat", None)
-
-    def _event_loop(self, reader: Any, sink: EventSink) -> None:
+    def _event_turn(self, reader: Any, sink: EventSink) -> None:
         status = self._status
-        while not self._event_stop.is_set():
-            self._event_beat = time.monotonic()  # liveness: the loop still turns
+        try:
+            events = reader.read(self._event_poll_ms, 32)
+        except Exception as exc:
+            if status is not None and _error_code(exc) == status.no_data:
+                return  # the wait timed out without events
+            if self._events.stopping():
+                return
+            log.warning("amdsmi_event_read_failed", error=_oneline(exc))
+            self._events.wait(self._event_backoff)
+            return
+        for ev in events:
             try:
-                events = reader.read(self._event_poll_ms, 32)
-            except Exception as exc:
-                if status is not None and _error_code(exc) == status.no_data:
-                    continue  # the wait timed out without events
-                if self._event_stop.is_set():
-                    return
-                log.warning("amdsmi_event_read_failed", error=_oneline(exc))
-                self._event_stop.wait(self._event_backoff)
-                continue
-            for ev in events:
-                try:
-                    self._deliver(ev, sink)
-                except Exception:
-                    log.exception("amdsmi_event_dropped")
+                self._deliver(ev, sink)
+            except Exception:
+                log.exception("amdsmi_event_dropped")
 
     def _deliver(self, ev: Mapping[str, Any], sink: EventSink) -> None:
         name = str(ev.get("event", ""))

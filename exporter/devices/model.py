@@ -98,6 +98,16 @@ class DeviceIdentity:
     render_index: int | None = None  # AMD: /dev/dri/renderD<N>
     serial: str = ""
     memory_total_bytes: int | None = None
+    #: The memory this device draws on, when other devices draw on it too: devices naming the
+    #: same pool report the same memory (amdsmi 7.0.x reports an AMD GPU's whole pool on each of
+    #: its partitions in NPS1), so aggregates over devices count a pool once. "" = the device's
+    #: own memory (full GPUs, MIG instances, partitions with memory of their own).
+    memory_pool: str = ""
+
+    @property
+    def memory_pool_key(self) -> str:
+        """What to count memory once per: the shared pool, else the device itself."""
+        return self.memory_pool or self.uuid
 
     @property
     def is_partition(self) -> bool:

@@ -21,7 +21,11 @@ https://github.com/ROCm/k8s-gpu-dra-driver/blob/main/docs/driver-attributes.md):
 ``gpu.amd.com``
   * BDF from ``resource.kubernetes.io/pciBusID``, ``pciAddr`` or ``parentPciAddr`` plus card and
     render index from the name ``gpu-<card>-<render>`` (or ``cardIndex``/``renderIndex``):
-    partitions share their parent's BDF, so the BDF alone is not enough for them.
+    partitions share their parent's BDF, so the BDF alone is not enough for them. This covers
+    both generations of ROCm/k8s-gpu-dra-driver: v1.x publishes ``type`` ``amdgpu`` /
+    ``amdgpu-partition``, ``partitionProfile`` and the parent's standard pciBusID on every
+    partition, with card and render only in the name; the alpha published ``pciAddr`` /
+    ``parentPciAddr`` and ``cardIndex`` / ``renderIndex``, and no standard pciBusID.
   * otherwise the BDF alone (full GPUs only), then a ``uuid`` attribute if it happens to be local
     (the intermediate driver's synthetic uuid never is, so this cannot mis-resolve).
 

@@ -246,15 +246,26 @@ def _figures(uuids: tuple[str, ...], by_uuid: Mapping[str, DeviceView]) -> Figur
     """(utilization, memory used, memory total, power, healthy) of a claim on these devices."""
     views = [by_uuid[u] for u in uuids if u in by_uuid]
     utils = [u for u in (v.utilization for v in views) if u is not None]
-    readings = [v.reading for v in views if v.up and v.reading is not None]
-    mem_used = [r.memory_used_bytes for r in readings if r.memory_used_bytes is not None]
-    mem_total = [r.memory_total_bytes for r in readings if r.memory_total_bytes is not None]
+    # Memory is counted once per pool: devices sharing one (an AMD GPU's partitions in NPS1,
+    # each reporting the whole pool) would otherwise multiply it. Members of a pool report the
+    # same figures, read moments apart: the largest is taken.
+    mem_used: dict[str, int] = {}
+    mem_total: dict[str, int] = {}
+    for v in views:
+        r = v.reading
+        if not v.up or r is None:
+            continue
+        pool = v.identity.memory_pool_key
+        if r.memory_used_bytes is not None:
+            mem_used[pool] = max(r.memory_used_bytes, mem_used.get(pool, 0))
+        if r.memory_total_bytes is not None:
+            mem_total[pool] = max(r.memory_total_bytes, mem_total.get(pool, 0))
     # Power is a property of the physical GPU: MIG instances have none of their own.
     power = [v.reading.power_watts for v in views if v.up and v.reading is not None and v.reading.power_watts is not None and not v.identity.is_partition]
     return (
         (sum(utils) / len(utils)) if utils else None,
-        sum(mem_used) if mem_used else None,
-        sum(mem_total) if mem_total else None,
+        sum(mem_used.values()) if mem_used else None,
+        sum(mem_total.values()) if mem_total else None,
         sum(power) if power else None,
         # A device we could not resolve or read counts as unhealthy only through its health;
         # unknown is not broken. A lost GPU has a health condition, so it shows here.

@@ -35,10 +35,12 @@ __all__ = [
     "FakeAmdGpu",
     "FakeAmdSmiLibrary",
     "FakeAmdSmiNode",
+    "FakeMemoryPool",
     "FakeProcess",
     "Status",
     "cpx_gpu",
     "import_amdsmi",
+    "mi300x_cpx_amdsmi_7_0",
     "unloadable_amdsmi",
 ]
 
@@ -84,8 +86,20 @@ class FakeProcess:
 
 
 @dataclass
+class FakeMemoryPool:
+    """VRAM that several processor handles report as theirs: amdsmi 7.0.x reports an MI300X's
+    whole NPS1 pool, total and in use, on every one of its compute partitions."""
+
+    total: int
+    used: int = 0
+
+
+@dataclass
 class FakeAmdGpu:
-    """One processor handle: a full GPU, or one compute partition of a GPU."""
+    """One processor handle: a full GPU, or one compute partition of a GPU.
+
+    The fake's controls (``fail``, ``hang``, ``call_count``, ``post_event``) address a handle by
+    its ``key``: its uuid, or its ``label`` where amdsmi gives several handles one uuid."""
 
     uuid: str
     bdf: str = "0000:03:00.0"  # dddd:bb:dd.f
@@ -112,11 +126,21 @@ class FakeAmdGpu:
     pcie_replay: int = 0
     metrics_pcie_replay: int | None = None  # gpu_metrics pcie_replay_count_acc; None = no metrics table
     compute_partition: str = "SPX"
+    memory_partition: str = "NPS1"
+    #: what amdsmi_get_gpu_compute_partition / _memory_partition return on this handle: amdsmi
+    #: 7.0.x answers them on a GPU's first partition only (ROCm/rocm-systems#8491)
+    partition_query_status: int = Status.SUCCESS
     partition_id: int = 0
+    pool: FakeMemoryPool | None = None  # shared VRAM reported instead of vram_total/vram_used
+    label: str = ""
     processes: list[FakeProcess] = field(default_factory=list)
     #: C symbols that answer NOT_SUPPORTED on this device
     unsupported: set[str] = field(default_factory=set)
     processor_type: int = PROCESSOR_TYPE_AMD_GPU
+
+    @property
+    def key(self) -> str:
+        return self.label or self.uuid
 
     def bdf_parts(self) -> tuple[int, int, int, int]:
         dom, bus, rest = self.bdf.split(":")
@@ -140,6 +164,36 @@ def cpx_gpu(uuid_prefix: str, bdf: str, partitions: int = 4, **kw: Any) -> list[
             compute_partition="CPX",
             partition_id=p,
             vram_total=vram_total,
+            **kw,
+        )
+        for p in range(partitions)
+    ]
+
+
+def mi300x_cpx_amdsmi_7_0(
+    uuid: str, bdf: str, *, partitions: int = 8, card: int = 1, render: int = 128, pool_bytes: int = 192 * 1024**3, **kw: Any
+) -> list[FakeAmdGpu]:
+    """An MI300X in CPX + NPS1 as amdsmi 7.0.x reports it (the handles of one GPU, partition 0
+    first): every partition has the same uuid (amdsmi_get_gpu_device_uuid is made from the
+    GPU's serial and device id, without the partition: the partition id joins it upstream only
+    for ROCm 7.12, ROCm/rocm-systems#3977); the compute- and memory-partition queries answer
+    only on partition 0, the others return NOT_SUPPORTED (ROCm/rocm-systems#8491); and every
+    partition reports the whole shared memory pool as its VRAM, total and in use. The
+    partition id sits in the BDF's function bits; each partition has its own DRM nodes."""
+    base = bdf.rsplit(".", 1)[0]
+    pool = FakeMemoryPool(total=pool_bytes)
+    return [
+        FakeAmdGpu(
+            uuid=uuid,
+            label=f"{base}.{p}",
+            bdf=f"{base}.{p}",
+            card=card + p,
+            render=render + p,
+            compute_partition="CPX",
+            memory_partition="NPS1",
+            partition_query_status=Status.SUCCESS if p == 0 else Status.NOT_SUPPORTED,
+            partition_id=p,
+            pool=pool,
             **kw,
         )
         for p in range(partitions)
@@ -186,24 +240,25 @@ class FakeAmdSmiNode:
         for i, gpu in enumerate(self.gpus):
             h = 0x1000 + 0x10 * i
             self._by_handle[h] = gpu
-            self._handle_of[gpu.uuid] = h
+            self._handle_of[gpu.key] = h
             key = gpu.bdf_parts()[:3]
             if key not in socket_of_key:
                 socket_of_key[key] = 0x9000 + 0x10 * len(socket_of_key)
             self._sockets.setdefault(socket_of_key[key], []).append(h)
 
-    def gpu(self, uuid: str) -> FakeAmdGpu:
+    def gpu(self, key: str) -> FakeAmdGpu:
         for g in self.gpus:
-            if g.uuid == uuid:
+            if g.key == key:
                 return g
-        raise KeyError(uuid)
+        raise KeyError(key)
 
-    def handle_of(self, uuid: str) -> int:
-        return self._handle_of[uuid]
+    def handle_of(self, key: str) -> int:
+        return self._handle_of[key]
 
     # -- test controls --------------------------------------------------------------------------
     def fail(self, symbol: str, status: int, uuid: str | None = None) -> None:
-        """Make ``symbol`` return ``status`` (for one device, or for every call when uuid is None)."""
+        """Make ``symbol`` return ``status`` (for one device, or for every call when uuid is None).
+        ``uuid`` here and below is the device's ``key``: its uuid unless it has a label."""
         self._failures[(symbol, uuid)] = status
 
     def clear_failure(self, symbol: str, uuid: str | None = None) -> None:
@@ -234,7 +289,7 @@ class FakeAmdSmiNode:
     def dispatch(self, symbol: str, args: tuple) -> int:
         h = _handle_value(args[0]) if args else None
         gpu = self._by_handle.get(h) if h is not None else None
-        uuid = gpu.uuid if gpu is not None else None
+        uuid = gpu.key if gpu is not None else None
         with self.lock:
             self.calls[(symbol, uuid)] += 1
         ev = self._hangs.get((symbol, uuid)) or self._hangs.get((symbol, None))
@@ -346,23 +401,34 @@ class FakeAmdSmiNode:
         info.current_partition_id = gpu.partition_id
         return Status.SUCCESS
 
-    def _c_amdsmi_get_gpu_compute_partition(self, gpu: FakeAmdGpu, _h: Any, buf: Any, length: Any) -> int:
-        raw = gpu.compute_partition.encode()
+    @staticmethod
+    def _string_out(value: str, buf: Any, length: Any) -> int:
+        raw = value.encode()
         if len(raw) + 1 > int(getattr(length, "value", length)):
             return Status.INSUFFICIENT_SIZE
         buf.value = raw
         return Status.SUCCESS
 
+    def _c_amdsmi_get_gpu_compute_partition(self, gpu: FakeAmdGpu, _h: Any, buf: Any, length: Any) -> int:
+        if gpu.partition_query_status != Status.SUCCESS:
+            return gpu.partition_query_status
+        return self._string_out(gpu.compute_partition, buf, length)
+
+    def _c_amdsmi_get_gpu_memory_partition(self, gpu: FakeAmdGpu, _h: Any, buf: Any, length: Any) -> int:
+        if gpu.partition_query_status != Status.SUCCESS:
+            return gpu.partition_query_status
+        return self._string_out(gpu.memory_partition, buf, length)
+
     def _c_amdsmi_get_gpu_memory_total(self, gpu: FakeAmdGpu, _h: Any, mem_type: Any, out: Any) -> int:
         if int(mem_type) != MEM_TYPE_VRAM:
             return Status.NOT_SUPPORTED
-        _obj(out).value = gpu.vram_total
+        _obj(out).value = gpu.pool.total if gpu.pool is not None else gpu.vram_total
         return Status.SUCCESS
 
     def _c_amdsmi_get_gpu_memory_usage(self, gpu: FakeAmdGpu, _h: Any, mem_type: Any, out: Any) -> int:
         if int(mem_type) != MEM_TYPE_VRAM:
             return Status.NOT_SUPPORTED
-        _obj(out).value = gpu.vram_used
+        _obj(out).value = gpu.pool.used if gpu.pool is not None else gpu.vram_used
         return Status.SUCCESS
 
     def _c_amdsmi_get_gpu_activity(self, gpu: FakeAmdGpu, _h: Any, out: Any) -> int:
@@ -437,21 +503,21 @@ class FakeAmdSmiNode:
     # -- events ---------------------------------------------------------------------------------
     def _c_amdsmi_init_gpu_event_notification(self, gpu: FakeAmdGpu, _h: Any) -> int:
         with self.lock:
-            self.event_masks.setdefault(gpu.uuid, 0)
-            self.stopped_events.discard(gpu.uuid)
+            self.event_masks.setdefault(gpu.key, 0)
+            self.stopped_events.discard(gpu.key)
         return Status.SUCCESS
 
     def _c_amdsmi_set_gpu_event_notification_mask(self, gpu: FakeAmdGpu, _h: Any, mask: Any) -> int:
         with self.lock:
-            if gpu.uuid not in self.event_masks:
+            if gpu.key not in self.event_masks:
                 return Status.NOT_INIT  # init_gpu_event_notification first
-            self.event_masks[gpu.uuid] = int(getattr(mask, "value", mask))
+            self.event_masks[gpu.key] = int(getattr(mask, "value", mask))
         return Status.SUCCESS
 
     def _c_amdsmi_stop_gpu_event_notification(self, gpu: FakeAmdGpu, _h: Any) -> int:
         with self.lock:
-            self.event_masks.pop(gpu.uuid, None)
-            self.stopped_events.add(gpu.uuid)
+            self.event_masks.pop(gpu.key, None)
+            self.stopped_events.add(gpu.key)
             self._events_cv.notify_all()
         return Status.SUCCESS
 
@@ -474,8 +540,8 @@ class FakeAmdSmiNode:
         if not ready:
             count.value = 0
             return Status.NO_DATA
-        for i, (uuid, etype, msg) in enumerate(ready):
-            out[i].processor_handle = self._handle_of[uuid]
+        for i, (key, etype, msg) in enumerate(ready):
+            out[i].processor_handle = self._handle_of[key]
             out[i].event = etype
             out[i].message = msg.encode()[:255]
         count.value = len(ready)
