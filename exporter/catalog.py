@@ -61,8 +61,8 @@ CATALOG: tuple[MetricDef, ...] = (
     _m("dra_claim_devices", "gauge", "namespace,claim", "GPUs and GPU partitions allocated to the claim on this node (claims without a GPU are not exported)"),
     _m("dra_claim_pods", "gauge", "namespace,claim", "Pods on this node that hold the claim"),
     _m("dra_claim_utilization_ratio", "gauge", "namespace,claim", "Mean utilization over the claim's devices, once per claim"),
-    _m("dra_claim_memory_used_bytes", "gauge", "namespace,claim", "Memory used, summed over the claim's devices"),
-    _m("dra_claim_memory_total_bytes", "gauge", "namespace,claim", "Memory size, summed over the claim's devices"),
+    _m("dra_claim_memory_used_bytes", "gauge", "namespace,claim", "Memory used, summed over the claim's memory pools (devices sharing one pool, such as an AMD GPU's NPS1 partitions, count it once)"),
+    _m("dra_claim_memory_total_bytes", "gauge", "namespace,claim", "Memory size, summed over the claim's memory pools (devices sharing one pool, such as an AMD GPU's NPS1 partitions, count it once)"),
     _m("dra_claim_power_watts", "gauge", "namespace,claim", "Power summed over the claim's full GPUs (MIG instances have no power of their own)"),
     _m("dra_claim_healthy", "gauge", "namespace,claim", "0 if any device of the claim is unhealthy"),
     # billing (exporter/model/usage.py; README "Billing model")

@@ -166,7 +166,7 @@ json_values = st.recursive(
 )
 
 
-@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(obj=json_values, version=st.sampled_from(["v1", "v1beta1", "v1beta2", "v1alpha3", ""]))
 def test_random_json_never_raises_anything_but_parse_error(obj, version):
     for fn in (lambda: parse_slice(obj, version), lambda: parse_claim(obj, version), lambda: parse_pod(obj)):

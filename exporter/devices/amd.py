@@ -323,7 +323,11 @@ class _StatusTable:
         if code in self.transient:
             return _Fault.TRANSIENT, None
         if code == self.timeout:
-            return _Fault.DEVICE, ReadError.TIMEOUT
+            # amdsmi gave up waiting (its own lock or a firmware message) and returned: the call
+            # is not stuck, so this is no news about the GPU, not driver_hung. A call that really
+            # hangs is caught by the agent's deadline and becomes driver_hung only after
+            # --hung-after, as for every backend.
+            return _Fault.DEVICE, ReadError.LATE
         if code in self.lost:
             return _Fault.DEVICE, ReadError.LOST
         if code in self.unknown:

@@ -66,7 +66,7 @@ class ClaimView(NamedTuple):
     uuids: tuple[str, ...]  # resolved devices
     pods: tuple[str, ...]
     utilization: float | None  # mean over devices with a reading
-    memory_used_bytes: int | None  # sum
+    memory_used_bytes: int | None  # sum over memory pools (a shared pool counts once)
     memory_total_bytes: int | None
     power_watts: float | None  # sum over full GPUs (power is per physical GPU)
     healthy: bool
