@@ -64,7 +64,7 @@ class HealthPolicy:
     # (the energy counter flat while power > 0; every profiling ratio at exactly 0 while
     # utilization is at least ``stuck_busy_utilization``). 0 turns the check off. Ten minutes is
     # far beyond any legitimate flat stretch: NVML's energy counter moves by the watt-second and
-    # is re-read every 10 s (exporter/devices/nvml.py SLOW_FIELDS), so a busy GPU's counter that
+    # is re-read every 10 s (exporter/devices/nvml/abi.py SLOW_FIELDS), so a busy GPU's counter that
     # stands still for minutes is frozen, not idle.
     stuck_after: float = 600.0
     stuck_busy_utilization: float = 0.5
