@@ -61,8 +61,10 @@ def showback(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometh
             wait_until(demo_ready, 60, interval=0.2, message="demo /readyz", ignore=(Exception,), fatal=(RuntimeError,))
             server.wait_for_targets_up()
             # job-1 ran from 10 s to 70 s (simulated), job-2 from 80 s: once job-2 has energy, job-1's
-            # claim is gone from the node and only its kept series tells what it used.
-            server.wait_for_query('dra_claim_energy_joules_total{claim="job-2"} > 0', timeout=120)
+            # claim is gone from the node and only its kept series tells what it used. increase()
+            # (the panels') needs two samples of job-2 with energy between them; on a busy machine the
+            # first scrape of job-2 may already show energy, so wait for the increase, not the value.
+            server.wait_for_query('increase(dra_claim_energy_joules_total{claim="job-2"}[10m]) > 0', timeout=120)
             for ns in sorted(NAMESPACES):
                 server.wait_for_query(f'namespace:dra_pod_energy_joules:rate5m{{namespace="{ns}"}} > 0', timeout=60)
             yield server, start, f"http://127.0.0.1:{port}"
