@@ -24,8 +24,9 @@ from exporter.k8s.connection import connect
 from exporter.k8s.slices import SliceWatcher
 from exporter.model.join import JoinInputs, join
 from exporter.remediation import names
-from exporter.remediation.engine import Remediator
-from exporter.remediation.state import NodeState
+from exporter.remediation.boot import BootIdentity
+from exporter.remediation.budget import LocalBudget
+from exporter.wiring import build_remediator
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dra"
 NODE = "node-a"
@@ -34,6 +35,7 @@ T0 = 1_750_000_000.0
 HOLD = 600.0
 POLICY = HealthPolicy(clear_hold=60.0)
 SETTLE = 2.0
+BOOT = BootIdentity("boot-1", T0 - 86400)  # the node's boot: the same for every agent process of a rig
 
 
 def load(name: str):
@@ -85,9 +87,16 @@ class Rig:
         """A new agent process: fresh health engine and remediator, same cluster."""
         self.health = HealthEngine(self.clock, POLICY)
         self.health.set_topology(self.local)
-        self.rem = Remediator(self.cfg, self.api, self.health, self.watcher, clock=self.clock, resync=0.0,
-                              node_state=NodeState(self.api, NS, NODE))
-        self.rem.update(join(JoinInputs(node=NODE, timestamp=self.clock(), identities=tuple(self.local), readings={}, health={})))
+        # Built by the production wiring (node-state ConfigMap in NS), rules listed and the Node read
+        # every pass, a local budget; the snapshot carries the slices as the watcher holds them.
+        self.rem = build_remediator(self.cfg, self.api, self.health, self.clock, 0.0, watch=False,
+                                    budget=LocalBudget(self.cfg.taint_budget_max), boot=self.boot)
+        self.rem.update(self.snapshot())
+
+    boot = BOOT
+
+    def snapshot(self):
+        return join(JoinInputs(node=NODE, timestamp=self.clock(), identities=tuple(self.local), readings={}, health={}, slices=self.watcher.devices()))
 
     def lost(self, i: int) -> None:
         """A collection cycle in which local device ``i`` is lost (NVML cannot reach it)."""
@@ -105,6 +114,7 @@ class Rig:
 
     def reconcile(self, times: int = 1) -> None:
         for _ in range(times):
+            self.rem.update(self.snapshot())  # the sampler hands the remediator each cycle's snapshot
             self.rem.reconcile()
 
     def rules(self) -> list[dict]:
@@ -174,7 +184,7 @@ def test_xid79_on_a_static_mig_parent_fences_then_evicts_every_mig_device_counte
     rig.reconcile()
     assert rig.effects() == {m: "NoExecute" for m in migs}  # whole, not by name order
     assert len(rig.events("GPUTaintEscalated")) == 1
-    assert rig.rem.suppressed == {}
+    assert rig.rem.report().suppressed == {}
     # the rate limit (1 per window) was spent once, by the domain: a second GPU failing a minute
     # later (not node-wide) is limited
     rig.clock.advance(60)
@@ -182,7 +192,7 @@ def test_xid79_on_a_static_mig_parent_fences_then_evicts_every_mig_device_counte
     rig.reconcile()
     rig.clock.advance(SETTLE)
     rig.reconcile()
-    assert rig.effects()["gpu-1"] == "NoSchedule" and rig.rem.suppressed == {"rate_limit": 1}
+    assert rig.effects()["gpu-1"] == "NoSchedule" and rig.rem.report().suppressed == {"rate_limit": 1}
     for r in rig.rules():
         if r["spec"]["deviceSelector"]["device"] in migs:
             ann = r["metadata"]["annotations"]
@@ -201,7 +211,7 @@ def test_dynamic_mig_every_partition_and_the_full_gpu_are_one_domain(make_rig):
     rig.reconcile()
     assert rig.effects() == {d: "NoExecute" for d in gpu0}  # GPU 1's devices untouched
     assert len(rig.events("GPUTainted")) == 1 and len(rig.events("GPUTaintEscalated")) == 1
-    assert rig.rem.suppressed == {}
+    assert rig.rem.report().suppressed == {}
 
 
 def test_amd_partitions_of_one_gpu_are_one_domain(make_rig):
@@ -239,7 +249,7 @@ def test_six_of_eight_gpus_failing_within_half_a_second_get_no_noexecute(make_ri
         rig.clock.advance(SETTLE)
         rig.reconcile()
     assert rig.effects() == {f"gpu-{i}": "NoSchedule" for i in range(6)}
-    assert rig.rem.suppressed == {"node_fault": 1}
+    assert rig.rem.report().suppressed == {"node_fault": 1}
     (ev,) = rig.events("HealthRemediationSuppressed")
     assert "of 8 GPUs failed within 2s" in ev["note"]  # told once, when the majority was reached
 
@@ -260,7 +270,7 @@ def test_on_a_4_gpu_node_a_second_gpu_failing_a_minute_later_is_evicted(make_rig
     rig.clock.advance(SETTLE)
     rig.reconcile()
     assert rig.effects() == {"gpu-0": "NoExecute", "gpu-1": "NoExecute"}
-    assert rig.rem.suppressed == {}
+    assert rig.rem.report().suppressed == {}
 
 
 def test_the_remediator_thread_raises_after_the_settle_window_by_itself(make_rig, tmp_path):
@@ -271,8 +281,6 @@ def test_the_remediator_thread_raises_after_the_settle_window_by_itself(make_rig
     rig = make_rig(slices, ids, taint_settle_seconds=0.5, node_fault_window=0.5)
     rig.clock = time.time  # the real clock, for the thread
     rig.restart()
-    rig.rem.clock = time.time
-    rig.rem.writer.clock = time.time
     rig.rem.start()
     rig.xid(ids[2].uuid)
     wait_until(lambda: rig.effects() == {"gpu-2": "NoSchedule"} or rig.effects() == {"gpu-2": "NoExecute"}, timeout=10, message="the fence")
