@@ -124,9 +124,8 @@ def handle(state: ServerState, h: ApiRequestHandler, method: str) -> None:
             rule = decision.fail
             raise ApiError(rule.code, rule.message or f"injected failure ({rule.code})",
                            retry_after=rule.retry_after)
-        if state.require_token and path not in _OPEN_PATHS:
-            if auth != f"Bearer {state.require_token}":
-                raise ApiError(401, "Unauthorized")
+        if state.require_token and path not in _OPEN_PATHS and auth != f"Bearer {state.require_token}":
+            raise ApiError(401, "Unauthorized")
         _route(state, h, method, path, query, raw, rec)
     except ApiError as err:
         headers = {"Retry-After": str(math.ceil(err.retry_after))} if err.retry_after is not None else {}

@@ -32,9 +32,9 @@ from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, E
 from exporter.health.engine import HealthEngine, HealthPolicy
 from exporter.k8s.connection import ApiError, connect
 from exporter.k8s.slices import SliceWatcher
+from exporter.k8s.taintrules import TaintRuleClient
 from exporter.metrics.render import Renderer, RenderState
 from exporter.model.join import JoinInputs, join
-from exporter.k8s.taintrules import TaintRuleClient
 from exporter.remediation import names
 from exporter.remediation.boot import BootIdentity
 from exporter.remediation.budget import LocalBudget

@@ -89,21 +89,20 @@ def test_every_suppression_reason_is_in_the_metric_help():
 
 
 def test_the_suppression_counter_is_only_counted_with_a_suppression():
-    """Every reason the remediator can count goes through _announce_once, which takes a
+    """Every reason the remediator can count goes through Notices.announce, which takes a
     Suppression (a stray string raises there): so the enum, and the help built from it, lists
-    every reason the metric can carry."""
-    src = Path(__file__).resolve().parent.parent / "exporter" / "remediation" / "engine.py"
-    tree = ast.parse(src.read_text())
+    every reason the metric can carry. (Every module of the remediator is looked at.)"""
     writers = set()
-    for fn in ast.walk(tree):
-        if isinstance(fn, ast.FunctionDef):
-            for node in ast.walk(fn):
-                if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "suppressed":
-                    writers.add(fn.name)
-                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "_announce_once":
-                    what = node.args[1]
-                    assert not isinstance(what, ast.Constant), f"{fn.name}: _announce_once with a bare string {what.value!r}"
-    assert writers == {"_announce_once"}
+    for src in sorted((Path(__file__).resolve().parent.parent / "exporter" / "remediation").glob("*.py")):
+        for fn in ast.walk(ast.parse(src.read_text())):
+            if isinstance(fn, ast.FunctionDef):
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "suppressed":
+                        writers.add((src.name, fn.name))
+                    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "announce":
+                        what = node.args[1]
+                        assert not isinstance(what, ast.Constant), f"{src.name} {fn.name}: announce with a bare string {what.value!r}"
+    assert writers == {("notices.py", "announce")}
 
 
 # ------------------------------------------------------------------------------ effect by tier and mode

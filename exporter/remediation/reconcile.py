@@ -116,7 +116,8 @@ class Reconciler:
         if self.refusals.holds(t.key, sig, now):
             return  # refused before; asking again on every pass would only be refused again
         what = Suppression(d.suppressed) if d.suppressed and d.suppressed != ADMIN_DELETED else None
-        if what is not None and what != Suppression.NODE_FAULT and d.action != Action.DELETE:
+        # (node-wide and budget-unreadable episodes are told once for the node, with their cause)
+        if what is not None and what not in (Suppression.NODE_FAULT, Suppression.BUDGET_UNAVAILABLE) and d.action != Action.DELETE:
             state = h.worst.value if h.worst else "healthy"
             self.notices.announce(t.key, what, f"{t.device}: {what.value.replace('_', ' ')} limits remediation of {state} device {t.uuid}")
         try:
