@@ -181,6 +181,8 @@ class Rig:
     def check_everything_sent(self) -> None:
         """Every write passed the server's strict validator, and every POST body validates by itself."""
         assert self.validator.failures == []
+        # Kubernetes 1.37 refuses an unconditional PUT of a v1 rule: the agent writes none at all
+        assert [q.path for q in self.server.requests if q.method == "PUT" and RULES in q.path] == []
         for q in self.server.requests:
             if q.method == "POST" and isinstance(q.body, dict) and q.body.get("kind") in ("DeviceTaintRule", "Event"):
                 validate_strict(q.body, self.version)
@@ -1048,3 +1050,24 @@ def test_health_changes_wake_the_remediator(make_rig):
     wait_until(lambda: rig.effects() == {"gpu-1": "NoExecute"}, timeout=5, message="the rule")
     # the pass ends with the rule's Event: waiting for it keeps the thread's log line in this test
     wait_until(lambda: rig.events("GPUTainted"), timeout=5, message="the rule's Event")
+
+
+def test_the_report_is_a_frozen_copy_of_one_moment(make_rig):
+    """report() hands out what the last pass published: later passes change nothing in it (the
+    latency histogram included: a copy, not the one the remediation thread keeps writing)."""
+    import dataclasses
+
+    from exporter.remediation.report import HistogramSnapshot
+
+    rig = make_rig("1.37")
+    rig.xid(0, 79)
+    rig.reconcile()
+    first = rig.rem.report()
+    rig.xid(1, 79)
+    rig.reconcile()
+    later = rig.rem.report()
+    assert isinstance(first.latency, HistogramSnapshot) and first.latency.count == 1 and later.latency.count == 2
+    assert [v.device for v in first.rules] == ["gpu-0"] and [v.device for v in later.rules] == ["gpu-0", "gpu-1"]
+    assert first.actions == {"create": 1} and later.actions == {"create": 2}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.ok = False  # type: ignore[misc]

@@ -455,6 +455,24 @@ def test_no_layering_back_edges():
         assert not [m for m in _imports(f) if m.startswith("exporter.metrics")], f
 
 
+def test_the_engine_is_thin_and_every_seam_is_typed():
+    """Issue 26: engine.py fits in one sitting; nothing in the remediator takes or returns Any
+    in a signature or probes its collaborators with hasattr/getattr (they are Protocols)."""
+    root = Path(__file__).parents[1] / "exporter" / "remediation"
+    assert len((root / "engine.py").read_text().splitlines()) <= 250
+    for f in sorted(root.glob("*.py")):
+        tree = ast.parse(f.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                annotations = [a.annotation for a in (*node.args.args, *node.args.kwonlyargs, *node.args.posonlyargs) if a.annotation]
+                annotations += [a.annotation for a in (node.args.vararg, node.args.kwarg) if a is not None and a.annotation]
+                for ann in [*annotations, node.returns]:
+                    if ann is not None:
+                        assert "Any" not in {n.id for n in ast.walk(ann) if isinstance(n, ast.Name)}, f"{f.name}:{node.lineno} {node.name}: Any in a signature"
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                assert node.func.id not in ("hasattr", "getattr"), f"{f.name}:{node.lineno}: {node.func.id}"
+
+
 def test_every_remediation_delay_is_a_validated_flag_and_env_var(monkeypatch):
     from exporter.config import ConfigError, build_parser, resolve
 

@@ -209,17 +209,14 @@ class Remediator:
         gpus = [d.identity for d in snap.devices if not d.identity.is_partition] if snap is not None else []
         now, health = self.clock(), self.health.all_health()
         keys = frozenset(d.key for d in published) if published is not None else None
-        self.reconciler.run(self._targets_of(published), gpus, keys, health, now, supports_none, self.sync.kill_switch)
+        if self._targets[0] is not published:  # (the join keeps the same tuple while slices stand still)
+            self._targets = (published, domains.targets(published or ()))
+        self.reconciler.run(self._targets[1], gpus, keys, health, now, supports_none, self.sync.kill_switch)
         self._quiet = not (
             len(self.record) or self.refusals or self.reconciler.pending or self.rails.raised or self.rails.waiting
             or self.rails.next_due is not None or any(h.conditions for h in health.values())
         )
         self._publish()
-
-    def _targets_of(self, published: tuple[PublishedDevice, ...] | None) -> list[Target]:
-        if self._targets[0] is not published:  # (the join keeps the same tuple while slices stand still)
-            self._targets = (published, domains.targets(published or ()))
-        return self._targets[1]
 
     # -- outputs -------------------------------------------------------------------------------
     @property

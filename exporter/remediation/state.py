@@ -26,7 +26,7 @@ from ..health.model import DeviceHealth, Tier
 from ..k8s.connection import ApiError
 from ..k8s.nodestate import Deletion
 from .boot import BootIdentity
-from .plan import OwnedRule
+from .plan import EFFECT_RANK, TIER_EFFECT, OwnedRule
 from .ports import DeletionStore, HealthSource, Key
 from .rules import unit_of
 
@@ -43,8 +43,10 @@ def reset_proven(rule: OwnedRule, boot: BootIdentity) -> bool:
 
 def restore_health(health: HealthSource, rules: Sequence[OwnedRule], now: float, boot: BootIdentity) -> int:
     """Re-create, in the health engine, the conditions adopted rules stand for (one per device
-    and reason), then book the resets proven to have happened meanwhile. Returns how many
-    conditions were restored."""
+    and reason), then book the resets proven to have happened meanwhile, so those conditions
+    clear after the clear time. A proven reset whose condition would ask for more than the rule
+    has (a fatal fault only fenced, or a rule already stepping down) is not restored at all: the
+    reset is over, and a reset GPU is not newly evicted. Returns how many were restored."""
     done: set[tuple[str, str]] = set()
     reset: dict[str, str] = {}
     for r in rules:
@@ -53,9 +55,12 @@ def restore_health(health: HealthSource, rules: Sequence[OwnedRule], now: float,
         uuid = unit_of(r)
         if not uuid or (uuid, r.reason) in done:
             continue
+        proven = reset_proven(r, boot)
+        if proven and EFFECT_RANK[TIER_EFFECT[Tier(r.tier)]] > EFFECT_RANK.get(r.effect, 0):
+            log.info("rule_released_on_adoption", rule=r.name, uuid=uuid, reason=r.reason, tier=r.tier, effect=r.effect)
+            continue
         done.add((uuid, r.reason))
         health.restore(uuid, r.reason, Tier(r.tier), r.first_seen or now, r.evidence, bool(r.reset_required))
-        proven = reset_proven(r, boot)
         log.info("health_restored_from_rule", rule=r.name, uuid=uuid, reason=r.reason, tier=r.tier, reset_required=r.reset_required, reset_proven=proven)
         if proven:
             reset[uuid] = r.name
