@@ -7,8 +7,10 @@
 * A reset that happened while the agent was away counts as observed when it can be proven
   (:func:`reset_proven`): the rule was written under another boot of the node (or, without that
   annotation, its fault was first seen before this boot), or the rule was already stepping down
-  because its reset had been observed. The health engine is told of that reset on adoption, so
-  the condition clears after its clear time and the rule steps down after its holds.
+  because its reset had been observed. The health engine is told of that reset on adoption (a
+  reset event now: the clear time counts from the adoption, at most the agent's start-up later
+  than the boot), so the condition clears after its clear time and the rule steps down after its
+  holds. A condition that would ask for more than the rule has is not restored at all.
 * An admin's deletion of a rule (:class:`AdminMemory`) is remembered in the per-node state
   ConfigMap: a restarted agent does not undo it without new evidence.
 """
