@@ -19,6 +19,7 @@ class RequestRecord:
     body: Any = None  # parsed JSON (or raw text) of the request body, None when empty
     watch: bool = False
     status: int = 0  # 0 when no response was sent (connection reset)
+    user: str = ""  # who asked: the bearer token (the emulation has no authentication to map it)
 
 
 @dataclass
@@ -132,7 +133,7 @@ class FaultInjector:
 
     def log(self) -> list[RequestRecord]:
         with self._lock:
-            return [RequestRecord(r.method, r.path, dict(r.query), r.body, r.watch, r.status) for r in self._log]
+            return [RequestRecord(r.method, r.path, dict(r.query), r.body, r.watch, r.status, r.user) for r in self._log]
 
     def clear_log(self) -> None:
         with self._lock:

@@ -106,7 +106,9 @@ def handle(state: ServerState, h: ApiRequestHandler, method: str) -> None:
     if int(length):
         raw = h.rfile.read(int(length))
     is_watch = method == "GET" and (query.get("watch") in _TRUE or "/watch/" in path)
-    rec = state.faults.record(RequestRecord(method, path, query, _parse_body(raw), is_watch))
+    auth = h.headers.get("Authorization", "")
+    user = auth[len("Bearer "):] if auth.startswith("Bearer ") else ""
+    rec = state.faults.record(RequestRecord(method, path, query, _parse_body(raw), is_watch, user=user))
     try:
         decision = state.faults.decide(method, path, is_watch)
         if decision.delay and state.stopping.wait(decision.delay):
@@ -122,10 +124,8 @@ def handle(state: ServerState, h: ApiRequestHandler, method: str) -> None:
             rule = decision.fail
             raise ApiError(rule.code, rule.message or f"injected failure ({rule.code})",
                            retry_after=rule.retry_after)
-        if state.require_token and path not in _OPEN_PATHS:
-            auth = h.headers.get("Authorization", "")
-            if auth != f"Bearer {state.require_token}":
-                raise ApiError(401, "Unauthorized")
+        if state.require_token and path not in _OPEN_PATHS and auth != f"Bearer {state.require_token}":
+            raise ApiError(401, "Unauthorized")
         _route(state, h, method, path, query, raw, rec)
     except ApiError as err:
         headers = {"Retry-After": str(math.ceil(err.retry_after))} if err.retry_after is not None else {}

@@ -259,3 +259,11 @@ def validate(rt: ResourceType, release: int, new: dict[str, Any], old: dict[str,
                 if new.get(field) != old.get(field):
                     causes.append(Cause(field, "FieldValueInvalid", f"{field}: Invalid value: field is immutable"))
     return causes
+
+
+def allows_unconditional_update(rt: ResourceType, version: str) -> bool:
+    """Whether a PUT without ``metadata.resourceVersion`` is accepted (the strategy's
+    AllowUnconditionalUpdate). Built-in resources allow it, except DeviceTaintRule in
+    resource.k8s.io/v1 (Kubernetes 1.37, kubernetes/kubernetes#138676: the v1 strategy returns
+    false; the older versions keep their historic true)."""
+    return not (rt.key == ("resource.k8s.io", "devicetaintrules") and version == "v1")

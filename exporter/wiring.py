@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -18,8 +18,14 @@ from .kubelet.client import PodResourcesClient
 from .model.processes import process_memory
 
 if TYPE_CHECKING:  # the Kubernetes parts are imported only when an API is configured
+    from .health.engine import HealthEngine
     from .k8s.connection import ApiClient
+    from .k8s.taintrules import TaintRuleClient
+    from .remediation.boot import BootIdentity
+    from .remediation.budget import Budget
     from .remediation.engine import Remediator
+    from .remediation.policy import RemediationPolicy
+    from .remediation.ports import KillSwitch, RuleFeed
 
 log = structlog.get_logger(__name__)
 
@@ -56,7 +62,7 @@ def build_agent(
         src.processes = process_memory
     agent = Agent(cfg, src, clock=clock, health_policy=health_policy)
     if api is not None and cfg.taint_mode != TaintMode.OFF:
-        src.remediation = build_remediator(cfg, api, agent, clock, remediation_resync)
+        src.remediation = build_remediator(cfg, api, agent.health, clock, remediation_resync)
     return agent
 
 
@@ -65,21 +71,51 @@ def agent_namespace() -> str:
     return os.environ.get("POD_NAMESPACE", "").strip() or "dra-gpu-exporter"
 
 
-def build_remediator(cfg: Config, api: ApiClient, agent: Agent, clock: Callable[[], float], resync: float) -> Remediator:
-    """The remediator with its cluster parts: the node's rules and kill-switch label watched, the
-    cluster budget object, the node's state ConfigMap."""
+def remediation_policy(cfg: Config, resync: float = 30.0) -> RemediationPolicy:
+    """What the remediator is told, from the agent's flags (it never sees the whole Config)."""
+    from .remediation.policy import RemediationPolicy
+
+    return RemediationPolicy(
+        node=cfg.node_name, mode=cfg.taint_mode, hold=cfg.taint_hold_seconds, settle=cfg.taint_settle_seconds,
+        node_fault_window=cfg.node_fault_window, node_failure_fraction=cfg.node_failure_fraction, rate_limit=cfg.taint_rate_limit,
+        rate_window=cfg.taint_rate_window, interval=cfg.interval, resync=resync,
+    )
+
+
+def build_remediator(
+    cfg: Config,
+    api: ApiClient,
+    health: HealthEngine,
+    clock: Callable[[], float] = time.time,
+    resync: float = 30.0,
+    *,
+    watch: bool = True,
+    rules: TaintRuleClient | None = None,
+    budget: Budget | None = None,
+    boot: BootIdentity | None = None,
+    node_state: bool = True,
+) -> Remediator:
+    """The remediator with its cluster parts: this node's rules and kill-switch label watched
+    (``watch``; without, listed and read every ``resync`` s: a rig's "not seen yet"), the cluster
+    budget object (or ``budget``), the node's state ConfigMap, the node's boot identity (read
+    from procfs unless given)."""
     # (imported here, like the other Kubernetes parts: only an agent with an API pays for them)
     from .k8s.budget import ClusterBudget
-    from .k8s.watch import NodeWatch, OwnedRuleWatch
+    from .k8s.events import EventRecorder
+    from .k8s.feeds import ListedRules, PolledKillSwitch, WatchedKillSwitch, WatchedRules
+    from .k8s.nodestate import NodeState
+    from .k8s.taintrules import TaintRuleClient
+    from .remediation.boot import read_boot_identity
     from .remediation.engine import Remediator
-    from .remediation.state import NodeState
 
-    ns = agent_namespace()
-    kw: dict[str, Any] = {"node_state": NodeState(api, ns, cfg.node_name)}
-    # The budget object the installer created in the agent's namespace: read and written only
-    # when a fault domain is raised to NoExecute or lowered, with optimistic concurrency.
-    kw["budget"] = ClusterBudget(api, ns, taint_budget_max=cfg.taint_budget_max)
-    # This node's rules and its kill-switch label are watched (node-scoped selectors), not polled.
-    kw["node_watch"] = NodeWatch(api, cfg.node_name)
-    kw["owned_rules"] = lambda version: OwnedRuleWatch(api, cfg.node_name, version)
-    return Remediator(cfg, api, agent.health, agent.src.slices, clock=clock, resync=resync, **kw)
+    ns, node = agent_namespace(), cfg.node_name
+    rules = rules or TaintRuleClient(api)
+    feed: RuleFeed = WatchedRules(api, node, rules) if watch else ListedRules(rules, node, resync)
+    kill: KillSwitch = WatchedKillSwitch(api, node) if watch else PolledKillSwitch(api, node, resync)
+    # The budget object the installer created in the agent's namespace: read (through a watch by
+    # name) only while a fault domain wants a slot, written with optimistic concurrency.
+    budget = budget or ClusterBudget(api, ns, taint_budget_max=cfg.taint_budget_max, clock=clock)
+    return Remediator(
+        remediation_policy(cfg, resync), health, rules, EventRecorder(api, node), feed, kill, budget,
+        node_state=NodeState(api, ns, node) if node_state else None, boot=boot or read_boot_identity(), clock=clock,
+    )

@@ -498,6 +498,45 @@ def test_time_added_is_restamped_when_the_effect_changes(server: FakeApiServer, 
     assert status == 200 and flipped["spec"]["taint"]["timeAdded"] > "2020-01-01T00:00:00Z"
 
 
+def test_an_unconditional_update_of_a_v1_device_taint_rule_is_422_as_in_1_37() -> None:
+    """Kubernetes 1.37 (kubernetes/kubernetes#138676): the v1 DeviceTaintRule strategy does not
+    allow unconditional updates, so a PUT without metadata.resourceVersion is 422 Invalid; the
+    same PUT in v1beta2 (and of a ConfigMap) is accepted, a PUT with the current resourceVersion
+    and a merge patch (applied to the stored object) are accepted in v1."""
+    with running_apiserver("1.37") as srv, api_client(srv.url) as c:
+        path = "/apis/resource.k8s.io/v1/devicetaintrules"
+        status, made = call_json(c, "POST", path, body=rule_body("r", "resource.k8s.io/v1", effect="NoSchedule"))
+        assert status == 201
+        unconditional = rule_body("r", "resource.k8s.io/v1", effect="NoExecute")
+        status, reply = call_json(c, "PUT", f"{path}/r", body=unconditional)
+        assert status == 422 and reply["reason"] == "Invalid"
+        assert reply["message"] == 'devicetaintrules.resource.k8s.io "r" is invalid: metadata.resourceVersion: Invalid value: 0x0: must be specified for an update'
+        assert reply["details"]["causes"][0]["field"] == "metadata.resourceVersion"
+        assert srv.get("resource.k8s.io", "devicetaintrules", "r")["spec"]["taint"]["effect"] == "NoSchedule"  # unchanged
+        conditional = {**unconditional, "metadata": {**unconditional["metadata"], "resourceVersion": made["metadata"]["resourceVersion"]}}
+        status, updated = call_json(c, "PUT", f"{path}/r", body=conditional)
+        assert status == 200 and updated["spec"]["taint"]["effect"] == "NoExecute"
+        status, _ = call_json(c, "PATCH", f"{path}/r", body={"spec": {"taint": {"effect": "NoSchedule"}}},
+                              content_type="application/merge-patch+json")
+        assert status == 200
+        # the versions that shipped before keep their historic unconditional updates
+        status, _ = call_json(c, "PUT", "/apis/resource.k8s.io/v1beta2/devicetaintrules/r", body=rule_body("r", "resource.k8s.io/v1beta2", effect="None"))
+        assert status == 200
+        cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c", "namespace": "default"}, "data": {"a": "1"}}
+        assert call_json(c, "POST", "/api/v1/namespaces/default/configmaps", body=cm)[0] == 201
+        assert call_json(c, "PUT", "/api/v1/namespaces/default/configmaps/c", body={**cm, "data": {"a": "2"}})[0] == 200
+
+
+def test_the_request_log_says_who_asked(tmp_path: Any) -> None:
+    from exporter.k8s.connection import connect, get_json  # (the agent's client sends its kubeconfig's token)
+
+    with running_apiserver("1.37") as srv:
+        get_json(connect(str(write_kubeconfig(tmp_path / "kubeconfig", srv.url, token="agent-7"))), "/api/v1/namespaces/default/configmaps")
+        with api_client(srv.url) as anon:
+            call_json(anon, "GET", "/version")
+        assert [(r.path, r.user) for r in srv.requests] == [("/api/v1/namespaces/default/configmaps", "agent-7"), ("/version", "")]
+
+
 # ---------------------------------------------------------------- v1beta1 conversion
 
 

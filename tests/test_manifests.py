@@ -194,7 +194,8 @@ def test_cluster_role_is_least_privilege(docs: list[dict[str, Any]]) -> None:
 
 def test_namespaced_grants(docs: list[dict[str, Any]]) -> None:
     """Events only in "default"; ConfigMaps only in the agent's namespace: the budget and the node
-    state (whose names RBAC cannot pin for create; the state policy does), never listed or watched."""
+    state (whose names RBAC cannot pin for create; the state policy does); only the budget object,
+    by name, is listed and watched (while an agent waits for a slot)."""
     events = one(docs, "Role", "dra-gpu-exporter-events")
     assert events["metadata"]["namespace"] == "default"
     assert _rules(events) == {("events.k8s.io", "events"): {"create"}}
@@ -202,6 +203,7 @@ def test_namespaced_grants(docs: list[dict[str, Any]]) -> None:
     assert own["metadata"]["namespace"] == NAMESPACE
     assert own["rules"] == [
         {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "update"]},
+        {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["dra-gpu-exporter-budget"], "verbs": ["list", "watch"]},
     ]
     budget = one(docs, "ConfigMap", "dra-gpu-exporter-budget")
     assert budget["metadata"]["namespace"] == NAMESPACE

@@ -32,11 +32,15 @@ from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, E
 from exporter.health.engine import HealthEngine, HealthPolicy
 from exporter.k8s.connection import ApiError, connect
 from exporter.k8s.slices import SliceWatcher
+from exporter.k8s.taintrules import TaintRuleClient
 from exporter.metrics.render import Renderer, RenderState
 from exporter.model.join import JoinInputs, join
 from exporter.remediation import names
-from exporter.remediation.engine import REFUSED_RETRY, Remediator
+from exporter.remediation.boot import BootIdentity
+from exporter.remediation.budget import LocalBudget
+from exporter.remediation.engine import Remediator
 from exporter.remediation.plan import RECORD_REFRESH
+from exporter.wiring import build_remediator
 
 NODE = "node-a"
 DRIVER = "gpu.nvidia.com"
@@ -45,6 +49,8 @@ HOLD = 600.0
 POLICY = HealthPolicy(clear_hold=60.0, event_quiet=1800.0, info_quiet=600.0)
 RULES = "/devicetaintrules"
 SERVED = {"1.33": "v1alpha3", "1.34": "v1alpha3", "1.35": "v1alpha3", "1.36": "v1beta2", "1.37": "v1"}
+BOOT = BootIdentity("boot-1", T0 - 86400)  # the node's boot: the same for every agent process of a rig
+REFUSED_RETRY = 300.0  # RemediationPolicy.refused_retry's default
 
 
 def gpu(i: int, serial: int = 0) -> DeviceIdentity:
@@ -102,11 +108,18 @@ class Rig:
         self.rem = self.remediator()
 
     def remediator(self, health: HealthEngine | None = None) -> Remediator:
+        """Built by the production wiring; rules listed and the Node read every ``resync`` s (no
+        watches: "listed once, before the rule appears" is how a 409 is met), a local budget."""
         h = health or self.health
         h.set_topology(self.local)
-        rem = Remediator(self.cfg, self.api, h, self.watcher, clock=self.clock, resync=self.resync)
-        rem.update(join(JoinInputs(node=NODE, timestamp=self.clock(), identities=tuple(self.local), readings={}, health={})))
+        rem = build_remediator(self.cfg, self.api, h, self.clock, self.resync, watch=False, rules=TaintRuleClient(self.api),
+                               budget=LocalBudget(self.cfg.taint_budget_max), boot=BOOT, node_state=False)
+        rem.update(self.snapshot())
         return rem
+
+    def snapshot(self):
+        """A cycle's snapshot: this node's devices and the slices as the watcher holds them."""
+        return join(JoinInputs(node=NODE, timestamp=self.clock(), identities=tuple(self.local), readings={}, health={}, slices=self.watcher.devices()))
 
     def restart(self) -> None:
         """A new agent process: fresh health engine and remediator, same cluster."""
@@ -116,7 +129,7 @@ class Rig:
     def set_local(self, ids) -> None:
         self.local = list(ids)
         self.health.set_topology(self.local)
-        self.rem.update(join(JoinInputs(node=NODE, timestamp=self.clock(), identities=tuple(self.local), readings={}, health={})))
+        self.rem.update(self.snapshot())
 
     # -- evidence ------------------------------------------------------------------------------
     def xid(self, i: int, code: int = 79) -> None:
@@ -139,6 +152,7 @@ class Rig:
 
     def reconcile(self, times: int = 1) -> None:
         for _ in range(times):
+            self.rem.update(self.snapshot())  # the sampler hands the remediator each cycle's snapshot
             self.rem.reconcile()
 
     # -- cluster state -------------------------------------------------------------------------
@@ -167,6 +181,8 @@ class Rig:
     def check_everything_sent(self) -> None:
         """Every write passed the server's strict validator, and every POST body validates by itself."""
         assert self.validator.failures == []
+        # Kubernetes 1.37 refuses an unconditional PUT of a v1 rule: the agent writes none at all
+        assert [q.path for q in self.server.requests if q.method == "PUT" and RULES in q.path] == []
         for q in self.server.requests:
             if q.method == "POST" and isinstance(q.body, dict) and q.body.get("kind") in ("DeviceTaintRule", "Event"):
                 validate_strict(q.body, self.version)
@@ -198,17 +214,17 @@ def make_rig(tmp_path):
         rig.check_everything_sent()
         # every suppression a scenario made the agent count is a documented reason
         help_ = BY_NAME["dra_gpu_exporter_taint_suppressed_total"].help
-        assert [r for r in rig.rem.suppressed if r not in help_] == []
+        assert [r for r in rig.rem.report().suppressed if r not in help_] == []
     for cm in servers:
         cm.__exit__(None, None, None)
 
 
 def metric_samples(rig: Rig) -> dict[str, list]:
-    rem = rig.rem
+    rep = rig.rem.report()
     snap = join(JoinInputs(node=NODE, timestamp=rig.clock(), identities=tuple(rig.local), readings={}, health=rig.health.all_health()))
     body = Renderer().render(
-        RenderState(snapshot=snap, taint_rules=rem.rule_views(), taint_actions=dict(rem.actions), taint_suppressed=dict(rem.suppressed),
-                    budget_exhausted=rem.budget_exhausted, detection_latency=rem.latency, remediation=(rem.mode.value, rem.active))
+        RenderState(snapshot=snap, taint_rules=rep.rules, taint_actions=dict(rep.actions), taint_suppressed=dict(rep.suppressed),
+                    budget_exhausted=rep.budget_exhausted, detection_latency=rep.latency, remediation=(rep.mode, rep.active))
     ).body.decode()
     out: dict[str, list] = {}
     for fam in text_string_to_metric_families(body):
@@ -304,7 +320,7 @@ def test_no_rule_api_served_is_told_once_in_an_event_not_worked_around(tmp_path,
             assert (ev["reason"], ev["type"]) == ("HealthRemediationSuppressed", "Warning")
             assert ev["regarding"] == {"apiVersion": "v1", "kind": "Node", "name": NODE}
             assert "no DeviceTaintRule API served" in ev["note"] and "DRADeviceTaintRules" in ev["note"]
-            assert rig.rem.suppressed == {"no_api": 1}
+            assert rig.rem.report().suppressed == {"no_api": 1}
             m = metric_samples(rig)
             assert [(lab["reason"], v) for lab, v in m["dra_gpu_exporter_taint_suppressed_total"]] == [("no_api", 1.0)]
             assert m.get("dra_device_taint_rule", []) == []
@@ -365,7 +381,7 @@ def test_create_step_down_delete_with_events_and_metrics(make_rig):
     assert len(tainted) == 1 and tainted[0]["type"] == "Warning"
     assert tainted[0]["regarding"] == {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceTaintRule", "name": meta["name"]}
     assert tainted[0]["reportingController"] == names.REPORTING_CONTROLLER
-    assert rig.rem.latency.count == 1 and rig.rem.latency.sum == pytest.approx(2.0)
+    assert rig.rem.report().latency.count == 1 and rig.rem.report().latency.sum == pytest.approx(2.0)
 
     m = metric_samples(rig)
     assert [(lab["device"], lab["effect"], lab["tier"]) for lab, _ in m["dra_device_taint_rule"]] == [("gpu-1", "NoExecute", "fatal")]
@@ -396,8 +412,8 @@ def test_create_step_down_delete_with_events_and_metrics(make_rig):
     rig.reconcile()
     assert rig.rules() == []
     assert len(rig.events("GPUUntainted")) == 1
-    assert dict(rig.rem.actions) == {"create": 1, "update": 1, "delete": 1}
-    assert rig.rem.rule_views() == ()
+    assert dict(rig.rem.report().actions) == {"create": 1, "update": 1, "delete": 1}
+    assert rig.rem.report().rules == ()
     assert metric_samples(rig).get("dra_device_taint_rule", []) == []
 
 
@@ -445,7 +461,7 @@ def test_a_new_reason_with_the_same_effect_is_written_onto_the_same_rule(make_ri
     assert [q.method for q in rig.writes()] == ["POST", "PATCH"]
     updated = rig.events("GPUTaintUpdated")
     assert len(updated) == 1 and "row_remap_pending -> xid_74" in updated[0]["note"]
-    assert rig.rem.actions["refresh"] == 1 and "update" not in rig.rem.actions
+    assert rig.rem.report().actions["refresh"] == 1 and "update" not in rig.rem.report().actions
     rig.reconcile(2)
     assert [q.method for q in rig.writes()] == ["POST", "PATCH"]  # written once
 
@@ -568,7 +584,7 @@ def test_a_patch_never_puts_back_a_sticky_label_a_person_removed(make_rig):
     rig = make_rig("1.37")
     fail_until_sticky(rig, 0)
     rig.reconcile()
-    rig.rem.resync = 3600  # the next list is not due: the agent still believes the rule sticky
+    rig.rem.feed.resync = rig.rem.kill.resync = 3600  # the next list is not due: the agent still believes the rule sticky
     name = rig.by_device()["gpu-0"]["metadata"]["name"]
     status, _ = call_json(api_client(rig.server.url), "PATCH", f"/apis/resource.k8s.io/v1/devicetaintrules/{name}",
                           body={"metadata": {"labels": {names.STICKY_LABEL: None}}}, content_type="application/merge-patch+json")
@@ -619,7 +635,7 @@ def test_409_on_create_adopts_the_existing_rule(make_rig):
     rig.xid(2, 79)
     rig.reconcile()
     wait_until(lambda: [(q.method, q.status) for q in rig.writes()] == [("POST", 409)], timeout=5, message="one POST answered 409")
-    assert rig.rem.actions["adopt"] == 1 and len(rig.events("GPUTaintAdopted")) == 1
+    assert rig.rem.report().actions["adopt"] == 1 and len(rig.events("GPUTaintAdopted")) == 1
     rig.reconcile()  # the adopted rule is then brought in line
     rule = rig.by_device()["gpu-2"]
     assert rule["metadata"]["uid"] == uid and rule["spec"]["taint"]["effect"] == "NoExecute"
@@ -634,14 +650,14 @@ def test_409_for_a_rule_that_is_not_ours_is_left_alone(make_rig):
     rig.xid(2, 79)
     rig.reconcile(3)
     # told once (it was counted on every pass), in a Warning Event on the Node
-    assert rig.rem.suppressed["name_conflict"] == 1 and rig.rem.rule_views() == ()
+    assert rig.rem.report().suppressed["name_conflict"] == 1 and rig.rem.report().rules == ()
     (ev,) = rig.events("HealthRemediationSuppressed")
     assert ev["type"] == "Warning" and name in ev["note"] and ev["regarding"]["kind"] == "Node"
     assert rig.by_device()["gpu-2"]["spec"]["taint"]["key"] == "example.com/x"
     assert [q.method for q in rig.writes()] == ["POST"]  # tried once, never overwritten
     rig.clock.advance(REFUSED_RETRY)  # asked again only after the hold
     rig.reconcile()
-    assert [q.method for q in rig.writes()] == ["POST"] * 2 and rig.rem.suppressed["name_conflict"] == 1
+    assert [q.method for q in rig.writes()] == ["POST"] * 2 and rig.rem.report().suppressed["name_conflict"] == 1
 
 
 def test_lost_create_response_is_retried_without_a_duplicate(make_rig):
@@ -660,7 +676,7 @@ def test_lost_create_response_is_retried_without_a_duplicate(make_rig):
     assert len(posts) == 2  # (the first one's answer went nowhere)
     wait_until(lambda: posts[1].status == 409, timeout=5, message="the retry's 409")
     assert len(rig.rules()) == 1 and rig.effects() == {"gpu-3": "NoExecute"}
-    assert rig.rem.actions["adopt"] == 1 and rig.rem.rule_views()[0].device == "gpu-3"
+    assert rig.rem.report().actions["adopt"] == 1 and rig.rem.report().rules[0].device == "gpu-3"
     assert len(rig.events("GPUTaintAdopted")) == 1  # the lost create never got its Event
 
 
@@ -702,7 +718,9 @@ def test_throttled_or_failing_writes_during_a_taint_are_retried_to_exactly_one_r
     writes = [(q.method, q.status) for q in rig.writes()]
     assert writes == [("POST", code)] * 2 + [("POST", 201)] + [("PATCH", code)] * 2 + [("PATCH", 200)]
     assert len(rig.rules()) == 1 and len(rig.events("GPUTainted")) == 1
-    assert rig.rem.actions["create"] == 1 and rig.rem.actions["update"] == 1
+    # (the report is published when the pass that wrote the Event ends)
+    wait_until(lambda: "update" in rig.rem.report().actions, timeout=5, message="the pass's report")
+    assert rig.rem.report().actions["create"] == 1 and rig.rem.report().actions["update"] == 1
 
 
 def test_a_429s_retry_after_is_honoured_by_the_remediator(make_rig):
@@ -732,7 +750,7 @@ def test_a_refused_write_does_not_block_the_other_devices(make_rig):
     assert rig.effects() == {"gpu-1": "NoExecute"}
     rig.reconcile(3)  # held: not asked again
     assert [q.status for q in rig.writes() if q.method == "POST"] == [403, 201]
-    assert rig.rem.suppressed["api_rejected"] == 1  # told once
+    assert rig.rem.report().suppressed["api_rejected"] == 1  # told once
     refused = [e for e in rig.events("HealthRemediationSuppressed") if "refused" in e["note"]]
     assert len(refused) == 1 and "denied by ValidatingAdmissionPolicy" in refused[0]["note"]
     rig.clock.advance(REFUSED_RETRY)
@@ -760,8 +778,8 @@ def test_restart_adopts_rules_without_duplicates_or_orphans(make_rig):
     rig.reconcile(2)
     assert {d: r["metadata"]["uid"] for d, r in rig.by_device().items()} == before
     assert len([q for q in rig.writes() if q.method == "POST"]) == posts  # nothing created again
-    assert rig.rem.actions["adopt"] == 2 and len(rig.events("GPUTaintAdopted")) == 2
-    assert {v.device: v.effect for v in rig.rem.rule_views()} == {"gpu-0": "NoExecute", "gpu-1": "NoSchedule"}
+    assert rig.rem.report().actions["adopt"] == 2 and len(rig.events("GPUTaintAdopted")) == 2
+    assert {v.device: v.effect for v in rig.rem.report().rules} == {"gpu-0": "NoExecute", "gpu-1": "NoSchedule"}
     # the rule of the recovered device is no orphan: it is stepped down and removed. (Issue 16
     # changed the timing: the adopted rule's degraded condition is restored into the new
     # health engine, so it ages out as it would have without the restart, then the hold runs.)
@@ -790,7 +808,7 @@ def test_rule_for_a_device_no_longer_published_is_removed_after_the_hold(make_ri
     assert rig.effects() == {"gpu-3": "NoExecute"}  # a republish blip does not drop a taint
     rig.clock.advance(1)
     rig.reconcile()
-    assert rig.rules() == [] and rig.rem.rule_views() == ()
+    assert rig.rules() == [] and rig.rem.report().rules == ()
     assert "no longer published" in rig.events("GPUUntainted")[-1]["note"]
 
 
@@ -808,12 +826,12 @@ def test_budget_is_spent_per_fault_domain_then_new_faults_get_effect_none(make_r
     rig.reconcile()
     ours = {r["spec"]["deviceSelector"]["device"]: r["spec"]["taint"]["effect"] for r in rig.rules() if r["spec"]["deviceSelector"]["pool"] == NODE}
     assert ours == {"gpu-0": "None", "gpu-1": "None"}
-    assert rig.rem.budget_exhausted
+    assert rig.rem.report().budget_exhausted
     warn = [e for e in rig.events("HealthRemediationSuppressed") if "budget" in e["note"]]
     assert len(warn) == 2 and all(e["type"] == "Warning" for e in warn)  # one per device, not one per pass
     rig.reconcile(2)
     assert len([e for e in rig.events("HealthRemediationSuppressed") if "budget" in e["note"]]) == 2
-    assert rig.rem.suppressed["budget"] == 2
+    assert rig.rem.report().suppressed["budget"] == 2
     m = metric_samples(rig)
     assert [v for _, v in m["dra_gpu_exporter_taint_budget_exhausted"]] == [1.0]
     # the budget frees up: the suppressed faults get their real effect
@@ -845,7 +863,7 @@ def test_rate_limit_on_new_noexecute_rules(make_rig):
     rig.xid(1, 79)
     rig.reconcile()
     assert rig.effects() == {"gpu-0": "NoExecute", "gpu-1": "NoSchedule"}
-    assert rig.rem.suppressed["rate_limit"] == 1
+    assert rig.rem.report().suppressed["rate_limit"] == 1
     assert len([e for e in rig.events("HealthRemediationSuppressed") if "rate limit" in e["note"]]) == 1
     rig.clock.advance(601)
     rig.reconcile()
@@ -862,7 +880,7 @@ def test_most_gpus_failing_at_once_is_a_node_fault_with_one_event(make_rig):
     warn = rig.events("HealthRemediationSuppressed")
     assert len(warn) == 1 and "3 of 4 GPUs" in warn[0]["note"]
     assert warn[0]["regarding"] == {"apiVersion": "v1", "kind": "Node", "name": NODE}
-    assert rig.rem.suppressed["node_fault"] == 1
+    assert rig.rem.report().suppressed["node_fault"] == 1
     # a later, separate node-wide fault is told again
     for i in range(3):
         rig.recover(i)
@@ -895,7 +913,7 @@ def test_node_kill_switch_stops_every_write(make_rig):
     rig.reconcile()
     assert len(rig.writes()) == writes
     assert rig.effects() == {"gpu-0": "NoExecute"}
-    assert rig.rem.suppressed["kill_switch"] >= 1
+    assert rig.rem.report().suppressed["kill_switch"] >= 1
     assert any("kill switch" in e["note"] for e in rig.events("HealthRemediationSuppressed"))
     assert metric_samples(rig)["dra_gpu_exporter_remediation_active"] == [({"node": NODE, "mode": "enforce"}, 0.0)]
     # switch off again: the pending work happens
@@ -921,7 +939,7 @@ def test_managed_false_annotation_is_honoured(make_rig):
     rig.reconcile()
     assert len(rig.writes()) == writes
     assert rig.effects() == {"gpu-0": "NoExecute"} and rig.by_device()["gpu-0"]["metadata"]["uid"] == rule["metadata"]["uid"]
-    assert rig.rem.suppressed["unmanaged"] == 1
+    assert rig.rem.report().suppressed["unmanaged"] == 1
 
 
 def test_a_rule_an_admin_deleted_is_not_recreated_without_new_evidence(make_rig):
@@ -977,8 +995,8 @@ def test_dry_run_never_writes(make_rig):
         rig.clock.advance(HOLD)
         rig.reconcile()
     assert [q for q in rig.server.requests if q.method != "GET"] == []
-    assert rig.rules() == [] and rig.rem.rule_views() == ()
-    assert rig.rem.actions["dry_run"] >= 2 and "create" not in rig.rem.actions
+    assert rig.rules() == [] and rig.rem.report().rules == ()
+    assert rig.rem.report().actions["dry_run"] >= 2 and "create" not in rig.rem.report().actions
     assert metric_samples(rig)["dra_gpu_exporter_remediation_active"] == [({"node": NODE, "mode": "dry-run"}, 0.0)]
 
 
@@ -1032,3 +1050,24 @@ def test_health_changes_wake_the_remediator(make_rig):
     wait_until(lambda: rig.effects() == {"gpu-1": "NoExecute"}, timeout=5, message="the rule")
     # the pass ends with the rule's Event: waiting for it keeps the thread's log line in this test
     wait_until(lambda: rig.events("GPUTainted"), timeout=5, message="the rule's Event")
+
+
+def test_the_report_is_a_frozen_copy_of_one_moment(make_rig):
+    """report() hands out what the last pass published: later passes change nothing in it (the
+    latency histogram included: a copy, not the one the remediation thread keeps writing)."""
+    import dataclasses
+
+    from exporter.remediation.report import HistogramSnapshot
+
+    rig = make_rig("1.37")
+    rig.xid(0, 79)
+    rig.reconcile()
+    first = rig.rem.report()
+    rig.xid(1, 79)
+    rig.reconcile()
+    later = rig.rem.report()
+    assert isinstance(first.latency, HistogramSnapshot) and first.latency.count == 1 and later.latency.count == 2
+    assert [v.device for v in first.rules] == ["gpu-0"] and [v.device for v in later.rules] == ["gpu-0", "gpu-1"]
+    assert first.actions == {"create": 1} and later.actions == {"create": 2}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.ok = False  # type: ignore[misc]

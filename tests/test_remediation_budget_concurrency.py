@@ -23,7 +23,8 @@ from exporter.k8s.budget import BUDGET_NAME, ClusterBudget
 from exporter.k8s.connection import ApiError, connect
 from exporter.k8s.parse import parse_slice
 from exporter.model.join import JoinInputs, join
-from exporter.remediation.engine import Remediator
+from exporter.remediation.boot import BootIdentity
+from exporter.wiring import build_remediator
 
 AGENTS = 120
 BUDGET = 7
@@ -77,8 +78,8 @@ def test_agents_faulting_at_once_take_exactly_the_budget_and_return_it(tmp_path)
             health = HealthEngine(clock, POLICY)
             health.set_topology([ident])
             cfg = Config(node_name=node, taint_mode=TaintMode.ENFORCE, taint_hold_seconds=HOLD, taint_settle_seconds=0.0, node_fault_window=0.0)
-            rem = Remediator(cfg, api, health, PublishedSlices(sl), clock=clock, resync=0.0, budget=make_budget(api))
-            rem.update(join(JoinInputs(node=node, timestamp=T0, identities=(ident,), readings={}, health={})))
+            rem = build_remediator(cfg, api, health, clock, 0.0, watch=False, budget=make_budget(api), node_state=False, boot=BootIdentity("boot-1", T0))
+            rem.update(join(JoinInputs(node=node, timestamp=T0, identities=(ident,), readings={}, health={}, slices=PublishedSlices(sl).devices())))
             rem.rules.served()  # discovery before the race, as a running agent has done long before
             agents.append((rem, health, ident))
 
@@ -136,3 +137,5 @@ def test_agents_faulting_at_once_take_exactly_the_budget_and_return_it(tmp_path)
             rem.reconcile()
         assert "NoExecute" not in {r["spec"]["taint"]["effect"] for r in server.list("resource.k8s.io", "devicetaintrules")}
         assert agents[0][0].budget.held() == set()  # returned
+        for rem, _, _ in agents:
+            rem.stop()  # (closes its budget's watch, if one is still open)

@@ -24,8 +24,9 @@ from exporter.k8s.connection import connect
 from exporter.k8s.slices import SliceWatcher
 from exporter.model.join import JoinInputs, join
 from exporter.remediation import names
-from exporter.remediation.engine import Remediator
-from exporter.remediation.state import NodeState
+from exporter.remediation.boot import BootIdentity
+from exporter.remediation.budget import LocalBudget
+from exporter.wiring import build_remediator
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dra"
 NODE = "node-a"
@@ -34,6 +35,7 @@ T0 = 1_750_000_000.0
 HOLD = 600.0
 POLICY = HealthPolicy(clear_hold=60.0)
 SETTLE = 2.0
+BOOT = BootIdentity("boot-1", T0 - 86400)  # the node's boot: the same for every agent process of a rig
 
 
 def load(name: str):
@@ -81,13 +83,22 @@ class Rig:
         self.cfg = Config(node_name=NODE, taint_mode=TaintMode.ENFORCE, taint_hold_seconds=HOLD, **cfg)
         self.restart()
 
-    def restart(self) -> None:
-        """A new agent process: fresh health engine and remediator, same cluster."""
+    def restart(self, boot: BootIdentity | None = None) -> None:
+        """A new agent process: fresh health engine and remediator, same cluster (``boot``: the
+        node rebooted meanwhile)."""
+        self.boot = boot or self.boot
         self.health = HealthEngine(self.clock, POLICY)
         self.health.set_topology(self.local)
-        self.rem = Remediator(self.cfg, self.api, self.health, self.watcher, clock=self.clock, resync=0.0,
-                              node_state=NodeState(self.api, NS, NODE))
-        self.rem.update(join(JoinInputs(node=NODE, timestamp=self.clock(), identities=tuple(self.local), readings={}, health={})))
+        # Built by the production wiring (node-state ConfigMap in NS), rules listed and the Node read
+        # every pass, a local budget; the snapshot carries the slices as the watcher holds them.
+        self.rem = build_remediator(self.cfg, self.api, self.health, self.clock, 0.0, watch=False,
+                                    budget=LocalBudget(self.cfg.taint_budget_max), boot=self.boot)
+        self.rem.update(self.snapshot())
+
+    boot = BOOT
+
+    def snapshot(self):
+        return join(JoinInputs(node=NODE, timestamp=self.clock(), identities=tuple(self.local), readings={}, health={}, slices=self.watcher.devices()))
 
     def lost(self, i: int) -> None:
         """A collection cycle in which local device ``i`` is lost (NVML cannot reach it)."""
@@ -105,6 +116,7 @@ class Rig:
 
     def reconcile(self, times: int = 1) -> None:
         for _ in range(times):
+            self.rem.update(self.snapshot())  # the sampler hands the remediator each cycle's snapshot
             self.rem.reconcile()
 
     def rules(self) -> list[dict]:
@@ -174,7 +186,7 @@ def test_xid79_on_a_static_mig_parent_fences_then_evicts_every_mig_device_counte
     rig.reconcile()
     assert rig.effects() == {m: "NoExecute" for m in migs}  # whole, not by name order
     assert len(rig.events("GPUTaintEscalated")) == 1
-    assert rig.rem.suppressed == {}
+    assert rig.rem.report().suppressed == {}
     # the rate limit (1 per window) was spent once, by the domain: a second GPU failing a minute
     # later (not node-wide) is limited
     rig.clock.advance(60)
@@ -182,7 +194,7 @@ def test_xid79_on_a_static_mig_parent_fences_then_evicts_every_mig_device_counte
     rig.reconcile()
     rig.clock.advance(SETTLE)
     rig.reconcile()
-    assert rig.effects()["gpu-1"] == "NoSchedule" and rig.rem.suppressed == {"rate_limit": 1}
+    assert rig.effects()["gpu-1"] == "NoSchedule" and rig.rem.report().suppressed == {"rate_limit": 1}
     for r in rig.rules():
         if r["spec"]["deviceSelector"]["device"] in migs:
             ann = r["metadata"]["annotations"]
@@ -201,7 +213,7 @@ def test_dynamic_mig_every_partition_and_the_full_gpu_are_one_domain(make_rig):
     rig.reconcile()
     assert rig.effects() == {d: "NoExecute" for d in gpu0}  # GPU 1's devices untouched
     assert len(rig.events("GPUTainted")) == 1 and len(rig.events("GPUTaintEscalated")) == 1
-    assert rig.rem.suppressed == {}
+    assert rig.rem.report().suppressed == {}
 
 
 def test_amd_partitions_of_one_gpu_are_one_domain(make_rig):
@@ -239,7 +251,7 @@ def test_six_of_eight_gpus_failing_within_half_a_second_get_no_noexecute(make_ri
         rig.clock.advance(SETTLE)
         rig.reconcile()
     assert rig.effects() == {f"gpu-{i}": "NoSchedule" for i in range(6)}
-    assert rig.rem.suppressed == {"node_fault": 1}
+    assert rig.rem.report().suppressed == {"node_fault": 1}
     (ev,) = rig.events("HealthRemediationSuppressed")
     assert "of 8 GPUs failed within 2s" in ev["note"]  # told once, when the majority was reached
 
@@ -260,7 +272,7 @@ def test_on_a_4_gpu_node_a_second_gpu_failing_a_minute_later_is_evicted(make_rig
     rig.clock.advance(SETTLE)
     rig.reconcile()
     assert rig.effects() == {"gpu-0": "NoExecute", "gpu-1": "NoExecute"}
-    assert rig.rem.suppressed == {}
+    assert rig.rem.report().suppressed == {}
 
 
 def test_the_remediator_thread_raises_after_the_settle_window_by_itself(make_rig, tmp_path):
@@ -271,8 +283,6 @@ def test_the_remediator_thread_raises_after_the_settle_window_by_itself(make_rig
     rig = make_rig(slices, ids, taint_settle_seconds=0.5, node_fault_window=0.5)
     rig.clock = time.time  # the real clock, for the thread
     rig.restart()
-    rig.rem.clock = time.time
-    rig.rem.writer.clock = time.time
     rig.rem.start()
     rig.xid(ids[2].uuid)
     wait_until(lambda: rig.effects() == {"gpu-2": "NoSchedule"} or rig.effects() == {"gpu-2": "NoExecute"}, timeout=10, message="the fence")
@@ -399,3 +409,105 @@ def test_an_instance_scoped_fault_touches_only_that_instance(make_rig):
     assert rig.health.health(nv_gpu(0).uuid).healthy  # the parent is not booked
     (r,) = rig.rules()
     assert r["metadata"]["annotations"][names.SCOPE_ANNOTATION] == "instance"
+
+
+# ------------------------------------------------------------------------------ release after a reboot (issue 26)
+
+
+def fatal_rule_then_stop(rig: Rig, ids) -> dict:
+    rig.xid(ids[0].uuid, 79)
+    rig.reconcile()
+    rig.clock.advance(SETTLE)
+    rig.reconcile()
+    assert rig.effects() == {"gpu-0": "NoExecute"}
+    (rule,) = rig.rules()
+    rig.rem.stop()
+    return rule
+
+
+def test_a_fatal_rule_from_before_a_reboot_is_released_after_the_clear_time_and_holds(make_rig):
+    """XID 79's remedy is a reboot: a restarted agent proves it by the node's boot id, counts it
+    as the reset the fatal rule waits for, and steps the rule down and removes it after the clear
+    time and the holds, like a reset it had seen itself."""
+    slices, ids = plain_gpus(8)
+    rig = make_rig(slices, ids)
+    rule = fatal_rule_then_stop(rig, ids)
+    ann = rule["metadata"]["annotations"]
+    assert ann[names.BOOT_ID_ANNOTATION] == "boot-1" and ann[names.RESET_REQUIRED_ANNOTATION] == "true"
+    rig.clock.advance(600)  # the node reboots
+    rig.restart(BootIdentity("boot-2", rig.clock() - 60))
+    rig.clean()
+    rig.reconcile()
+    assert rig.effects() == {"gpu-0": "NoExecute"}  # adopted, not dropped: the clear time runs first
+    assert not rig.health.health(ids[0].uuid).healthy
+    rig.clock.advance(POLICY.clear_hold)
+    rig.clean()
+    assert rig.health.health(ids[0].uuid).healthy  # the reset was booked on adoption
+    rig.reconcile()
+    rig.clock.advance(HOLD)
+    rig.reconcile()
+    assert rig.effects() == {"gpu-0": "NoSchedule"}
+    down = rig.rules()[0]["metadata"]["annotations"]
+    assert down[names.RESET_REQUIRED_ANNOTATION] == "false" and down[names.BOOT_ID_ANNOTATION] == "boot-1"  # the fault's boot stays
+    # a restart while it steps down (same new boot) does not trap it again
+    rig.rem.stop()
+    rig.restart()
+    rig.clean()
+    rig.reconcile()
+    assert rig.effects() == {"gpu-0": "NoSchedule"}
+    rig.clock.advance(POLICY.clear_hold)
+    rig.clean()
+    rig.reconcile()
+    rig.clock.advance(HOLD)
+    rig.reconcile()
+    assert rig.rules() == []
+    assert len(rig.events("GPUTaintSteppedDown")) == 1 and len(rig.events("GPUUntainted")) == 1
+    assert not [q for q in rig.server.requests if q.method == "PUT" and "/devicetaintrules" in q.path]
+
+
+def test_the_same_rule_under_the_same_boot_stays_noexecute(make_rig):
+    """No amnesia: a restart without a reboot proves no reset; the fatal rule holds."""
+    slices, ids = plain_gpus(8)
+    rig = make_rig(slices, ids)
+    fatal_rule_then_stop(rig, ids)
+    rig.restart(BootIdentity("boot-1", T0 - 86400))
+    for _ in range(4):
+        rig.clean()
+        rig.reconcile()
+        rig.clock.advance(HOLD)
+    assert rig.effects() == {"gpu-0": "NoExecute"} and not rig.health.health(ids[0].uuid).healthy
+
+
+@pytest.mark.parametrize("booted_after_first_seen,released", [(True, True), (False, False)])
+def test_a_rule_without_a_boot_annotation_is_released_when_first_seen_before_the_boot(make_rig, booted_after_first_seen, released):
+    """A rule written by an older agent carries no boot id: its fault's first-seen time, older
+    than the node's boot, is the proof; a fault first seen after the boot proves nothing."""
+    slices, ids = plain_gpus(8)
+    rig = make_rig(slices, ids)
+    rule = fatal_rule_then_stop(rig, ids)
+    del rule["metadata"]["annotations"][names.BOOT_ID_ANNOTATION]
+    rig.server.apply({"apiVersion": "resource.k8s.io/v1", "kind": "DeviceTaintRule", **rule})
+    first_seen = T0  # (the XID came at the rig's start)
+    rig.clock.advance(600)
+    rig.restart(BootIdentity("boot-2", first_seen + 300 if booted_after_first_seen else first_seen - 300))
+    for _ in range(3):
+        rig.clean()
+        rig.reconcile()
+        rig.clock.advance(HOLD)
+    rig.reconcile()
+    assert rig.effects() == ({"gpu-0": "NoSchedule"} if released else {"gpu-0": "NoExecute"})
+
+
+def test_the_boot_identity_is_read_from_procfs_and_proves_only_what_it_can(tmp_path):
+    from exporter.remediation.boot import read_boot_identity
+
+    (tmp_path / "boot_id").write_text("3f1c2b7e-9a43-4c55-8a0e-5b8d7f1e2a90\n")
+    (tmp_path / "stat").write_text("cpu  1 2 3 4\nintr 5\nbtime 1750000000\nprocesses 9\n")
+    b = read_boot_identity(tmp_path / "boot_id", tmp_path / "stat")
+    assert b == BootIdentity("3f1c2b7e-9a43-4c55-8a0e-5b8d7f1e2a90", 1_750_000_000.0)
+    assert b.reset_since("another-boot", None) and not b.reset_since(b.boot_id, 0.0)  # the annotation decides when present
+    assert b.reset_since("", 1_749_999_999.0) and not b.reset_since("", 1_750_000_001.0) and not b.reset_since("", None)
+    unknown = read_boot_identity(tmp_path / "missing", tmp_path / "missing")
+    assert unknown == BootIdentity() and not unknown.reset_since("any", 0.0) and not unknown.reset_since("", 0.0)
+    real = read_boot_identity()  # this machine's (Linux)
+    assert len(real.boot_id) == 36 and real.booted_at is not None and real.booted_at < T0 * 2

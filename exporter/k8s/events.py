@@ -11,11 +11,12 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
 
-from .connection import ApiError, request_json
+from .connection import ApiClient, ApiError, request_json
 from .names import REPORTING_CONTROLLER
 
 log = structlog.get_logger(__name__)
@@ -26,7 +27,7 @@ def micro_time(t: float) -> str:
 
 
 def build_event(
-    *, regarding: dict[str, Any], reason: str, note: str, action: str, type_: str, node: str, now: float, namespace: str = "default"
+    *, regarding: Mapping[str, str], reason: str, note: str, action: str, type_: str, node: str, now: float, namespace: str = "default"
 ) -> dict[str, Any]:
     name = f"{regarding.get('name', 'object')}.{time.time_ns():x}"[:253]
     return {
@@ -38,21 +39,21 @@ def build_event(
         "reportingInstance": f"dra-gpu-exporter-{node}"[:128],
         "action": action[:128],
         "reason": reason[:128],
-        "regarding": regarding,
+        "regarding": dict(regarding),
         "note": note[:1024],
         "type": type_,
     }
 
 
 class EventRecorder:
-    def __init__(self, client: Any, node: str) -> None:
+    def __init__(self, client: ApiClient, node: str) -> None:
         self.client = client
         self.node = node
         self.sent = 0
         self.failed = 0
         self._lock = threading.Lock()
 
-    def record(self, regarding: dict[str, Any], reason: str, note: str, action: str, warning: bool = False) -> dict[str, Any] | None:
+    def record(self, regarding: Mapping[str, str], reason: str, note: str, action: str, warning: bool = False) -> dict[str, Any] | None:
         ev = build_event(regarding=regarding, reason=reason, note=note, action=action, type_="Warning" if warning else "Normal", node=self.node, now=time.time())
         try:
             out = request_json(self.client, "POST", "/apis/events.k8s.io/v1/namespaces/default/events", body=ev, timeout=(3.0, 5.0))

@@ -29,6 +29,9 @@ TIER_ANNOTATION = f"{DOMAIN}/tier"  # the health tier the rule was written for
 RESET_REQUIRED_ANNOTATION = f"{DOMAIN}/reset-required"  # "true": only an observed GPU reset clears it
 GPU_ANNOTATION = f"{DOMAIN}/physical-gpu"  # the fault domain (physical GPU uuid) the rule belongs to
 SCOPE_ANNOTATION = f"{DOMAIN}/scope"  # "gpu" (the whole domain) or "instance" (one MIG device)
+# The node's boot (/proc/sys/kernel/random/boot_id) the rule's fault was recorded under (issue 26):
+# a rule adopted under another boot has seen its GPU reset, by the reboot.
+BOOT_ID_ANNOTATION = f"{DOMAIN}/boot-id"
 NODE_STATE_PREFIX = "dra-gpu-exporter-node-"  # ConfigMap per node: state that outlives the process
 REPORTING_CONTROLLER = f"{DOMAIN}/agent"
 

@@ -4,17 +4,28 @@ DeviceTaintRule is v1alpha3 in Kubernetes 1.33-1.35, v1beta2 in 1.36 and v1 from
 body we send is the same in all three (``spec.deviceSelector{driver,pool,device}`` and
 ``spec.taint{key,value,effect}``); only ``apiVersion`` and the URL differ. Effect ``None``
 exists from 1.35 on: below that, shadow mode cannot be expressed and the caller is told so.
+
+Writes are a create (POST), a JSON merge patch and a delete with a uid precondition: never a
+PUT. From 1.37 an update (PUT) of a v1 DeviceTaintRule must carry ``metadata.resourceVersion``
+(kubernetes/kubernetes#138676: the v1 strategy no longer allows unconditional updates); a merge
+patch is applied by the server to the object it stores, so it needs none and is accepted by every
+release.
+
+The remediator gets typed records (:class:`StoredRule`) and hands typed writes
+(:class:`RuleSpec`, :class:`RuleChange`); the JSON stays here.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .connection import MERGE_PATCH, ApiError, get_json, request_json
+from . import names
+from .connection import MERGE_PATCH, ApiClient, ApiError, get_json, request_json
 from .discovery import RESOURCE_GROUP, Discovery
-from .names import MANAGED_BY, MANAGED_BY_VALUE, NODE_LABEL
 
 PREFERENCE = ("v1", "v1beta2", "v1alpha3")
 TIMEOUT = (3.0, 5.0)
@@ -30,8 +41,107 @@ class ServedTaintRules:
     supports_none: bool
 
 
+@dataclass(frozen=True)
+class StoredRule:
+    """A DeviceTaintRule as stored, with what this agent's labels and annotations say about it."""
+
+    name: str
+    uid: str
+    driver: str
+    pool: str
+    device: str
+    effect: str
+    ours: bool  # carries this agent's managed-by label
+    tier: str = ""
+    reason: str = ""
+    evidence: str = ""
+    uuid: str = ""  # the local device the rule was written for
+    gpu: str = ""  # its fault domain (physical GPU)
+    scope: str = "gpu"
+    sticky: bool = False
+    managed: bool = True  # False: annotated managed=false, hands off
+    first_seen: float | None = None
+    reset_required: bool | None = None  # None: not annotated (a rule from an older agent)
+    boot_id: str = ""  # the node boot the rule's fault was recorded under; "" when not annotated
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.driver, self.pool, self.device)
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    """A rule to create."""
+
+    name: str
+    driver: str
+    pool: str
+    device: str
+    key: str
+    value: str
+    effect: str
+    labels: Mapping[str, str]
+    annotations: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class RuleChange:
+    """A merge patch of one rule: labels and annotations to set (others are left as they are) and
+    the taint."""
+
+    labels: Mapping[str, str]
+    annotations: Mapping[str, str]
+    key: str
+    value: str
+    effect: str
+
+
+def parse_time(value: str) -> float | None:
+    """An annotation written by :func:`exporter.k8s.events.micro_time`, as epoch seconds."""
+    try:
+        return dt.datetime.strptime(value, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.UTC).timestamp()
+    except (TypeError, ValueError):
+        return None
+
+
+def _flag(value: str | None) -> bool | None:
+    return None if value is None else value.lower() == "true"
+
+
+def parse_rule(obj: dict[str, Any]) -> StoredRule | None:
+    """The record a DeviceTaintRule object stands for; None when it is not a rule at all."""
+    try:
+        meta = obj["metadata"]
+        sel = obj["spec"]["deviceSelector"]
+        taint = obj["spec"]["taint"]
+        labels = meta.get("labels") or {}
+        ann = meta.get("annotations") or {}
+        return StoredRule(
+            name=meta["name"],
+            uid=meta.get("uid", ""),
+            driver=sel.get("driver", ""),
+            pool=sel.get("pool", ""),
+            device=sel.get("device", ""),
+            effect=taint.get("effect", "None"),
+            ours=labels.get(names.MANAGED_BY) == names.MANAGED_BY_VALUE,
+            tier=labels.get(names.TIER_LABEL, "") or ann.get(names.TIER_ANNOTATION, ""),
+            reason=ann.get(names.REASON_ANNOTATION, ""),
+            evidence=ann.get(names.EVIDENCE_ANNOTATION, ""),
+            uuid=ann.get(names.UUID_ANNOTATION, ""),
+            gpu=ann.get(names.GPU_ANNOTATION, ""),
+            scope=ann.get(names.SCOPE_ANNOTATION, "gpu"),
+            sticky=labels.get(names.STICKY_LABEL, "").lower() == "true",
+            managed=ann.get(names.UNMANAGED_ANNOTATION, "true").lower() != "false",
+            first_seen=parse_time(ann.get(names.FIRST_SEEN_ANNOTATION, "")),
+            reset_required=_flag(ann.get(names.RESET_REQUIRED_ANNOTATION)),
+            boot_id=ann.get(names.BOOT_ID_ANNOTATION, ""),
+        )
+    except (KeyError, TypeError, AttributeError):
+        return None
+
+
 class TaintRuleClient:
-    def __init__(self, client: Any, discovery: Discovery | None = None) -> None:
+    def __init__(self, client: ApiClient, discovery: Discovery | None = None) -> None:
         self.client = client
         self.discovery = discovery or Discovery(client)
         self._served: ServedTaintRules | None = None
@@ -71,7 +181,7 @@ class TaintRuleClient:
         return f"{RESOURCE_GROUP}/{self.served().version}"
 
     def body(
-        self, name: str, driver: str, pool: str, device: str, key: str, value: str, effect: str, labels: dict[str, str], annotations: dict[str, str]
+        self, name: str, driver: str, pool: str, device: str, key: str, value: str, effect: str, labels: Mapping[str, str], annotations: Mapping[str, str]
     ) -> dict[str, Any]:
         if not (driver and pool and device):
             # An empty selector matches every device in the cluster (kubernetes#141422).
@@ -79,7 +189,7 @@ class TaintRuleClient:
         return {
             "apiVersion": self.api_version,
             "kind": "DeviceTaintRule",
-            "metadata": {"name": name, "labels": labels, "annotations": annotations},
+            "metadata": {"name": name, "labels": dict(labels), "annotations": dict(annotations)},
             "spec": {
                 "deviceSelector": {"driver": driver, "pool": pool, "device": device},
                 "taint": {"key": key, "value": value, "effect": effect},
@@ -87,7 +197,7 @@ class TaintRuleClient:
         }
 
     def list_owned(self, node: str | None = None) -> list[dict[str, Any]]:
-        sel = f"{MANAGED_BY}={MANAGED_BY_VALUE}" + (f",{NODE_LABEL}={node}" if node else "")
+        sel = f"{names.MANAGED_BY}={names.MANAGED_BY_VALUE}" + (f",{names.NODE_LABEL}={node}" if node else "")
         items: list[dict[str, Any]] = []
         cont = None
         while True:
@@ -100,6 +210,10 @@ class TaintRuleClient:
             if not cont:
                 return items
 
+    def list_rules(self, node: str) -> list[StoredRule]:
+        """This node's rules (node-scoped label selector), parsed; malformed ones left out."""
+        return [r for r in map(parse_rule, self.list_owned(node)) if r is not None]
+
     def get(self, name: str) -> dict[str, Any] | None:
         try:
             return get_json(self.client, f"{self._base()}/{name}", timeout=TIMEOUT)
@@ -108,11 +222,28 @@ class TaintRuleClient:
                 return None
             raise
 
+    def get_rule(self, name: str) -> StoredRule | None:
+        obj = self.get(name)
+        return parse_rule(obj) if obj is not None else None
+
     def create(self, body: dict[str, Any]) -> dict[str, Any]:
         return request_json(self.client, "POST", self._base(), body=body, timeout=TIMEOUT)
 
+    def create_rule(self, spec: RuleSpec) -> StoredRule:
+        body = self.body(spec.name, spec.driver, spec.pool, spec.device, spec.key, spec.value, spec.effect, spec.labels, spec.annotations)
+        created = parse_rule(self.create(body))
+        if created is None:
+            raise ApiError(status=500, reason="BadResponse", message=f"the answer to creating DeviceTaintRule {spec.name} is no DeviceTaintRule")
+        return created
+
     def patch(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         return request_json(self.client, "PATCH", f"{self._base()}/{name}", body=patch, content_type=MERGE_PATCH, timeout=TIMEOUT)
+
+    def patch_rule(self, name: str, change: RuleChange) -> None:
+        self.patch(name, {
+            "metadata": {"labels": dict(change.labels), "annotations": dict(change.annotations)},
+            "spec": {"taint": {"key": change.key, "value": change.value, "effect": change.effect}},
+        })
 
     def delete(self, name: str, uid: str | None = None) -> None:
         body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}

@@ -18,7 +18,7 @@ from ..health.model import DeviceHealth, Scope
 from ..k8s.model import AllocatedDevice, ClaimInfo, PodInfo, SliceDevice
 from ..k8s.resolve import AMD_DRIVER, NVIDIA_DRIVER, DeviceIndex, Resolution, resolve, resolve_device_plugin
 from ..kubelet.model import AllocationSource, ContainerAllocation
-from .snapshot import AllocationView, ClaimView, DeviceView, Snapshot
+from .snapshot import AllocationView, ClaimView, DeviceView, PublishedDevice, Snapshot
 
 DeviceKey = tuple[str, str, str]
 
@@ -80,6 +80,7 @@ class _Structure:
     rows: tuple[AllocationView, ...]
     claims: tuple[ClaimGroup, ...]  # sorted
     unresolved: dict[str, int]
+    published: tuple[PublishedDevice, ...] = ()
 
 
 class JoinMemo:
@@ -124,6 +125,7 @@ def join(inp: JoinInputs, memo: JoinMemo | None = None) -> Snapshot:
         unresolved=dict(structure.unresolved),
         pod_labels={k: dict(v) for k, v in (inp.pod_labels or {}).items()},
         pod_uids={p.uid: (p.namespace, p.name) for p in inp.pods if p.uid},
+        published=structure.published if inp.slices is not None else None,
     )
 
 
@@ -179,7 +181,23 @@ def _structure(
         rows=tuple(rows),
         claims=_claim_groups(r for r in rows if r.driver in gpu_drivers),
         unresolved=_unresolved_counts(slices, unresolved, gpu_drivers, _plugin_gpu_resources(rows)),
+        published=_published(slices, index),
     )
+
+
+def _published(slices: Mapping[DeviceKey, SliceDevice], index: DeviceIndex) -> tuple[PublishedDevice, ...]:
+    """Every device the node's slices publish, resolved to the local device it is and its fault
+    domain (the physical GPU it lives on): the remediator's targets."""
+    out = []
+    for key, dev in sorted(slices.items()):
+        res = resolve(key, dev, None, index)
+        if not res.ok:
+            out.append(PublishedDevice(*key, "", ""))
+            continue
+        ident = index.by_uuid.get(res.uuid)
+        # a DynamicMIG partition resolves to its GPU itself (res.uuid == parent_uuid)
+        out.append(PublishedDevice(*key, res.uuid, res.parent_uuid or (ident.physical_uuid if ident is not None else res.uuid)))
+    return tuple(out)
 
 
 # Device-plugin resources that are GPUs by name. Others on a GPU node (RDMA, SR-IOV NICs,

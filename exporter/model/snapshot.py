@@ -72,6 +72,22 @@ class ClaimView(NamedTuple):
     healthy: bool
 
 
+class PublishedDevice(NamedTuple):
+    """A DRA device this node's ResourceSlices publish, resolved: the local device it is
+    (``uuid``, "" when it resolves to none here) and the physical GPU it lives on (``gpu``, its
+    fault domain). What the remediator taints."""
+
+    driver: str
+    pool: str
+    device: str
+    uuid: str
+    gpu: str
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.driver, self.pool, self.device)
+
+
 @dataclass(frozen=True)
 class Snapshot:
     node: str
@@ -82,6 +98,8 @@ class Snapshot:
     unresolved: dict[str, int] = field(default_factory=dict)  # driver -> devices we could not resolve
     pod_labels: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
     pod_uids: dict[str, tuple[str, str]] = field(default_factory=dict)  # uid -> (namespace, pod)
+    # this node's published DRA devices, sorted by key; None while the slices are not listed
+    published: tuple[PublishedDevice, ...] | None = None
 
     def device(self, uuid: str) -> DeviceView | None:
         for d in self.devices:

@@ -2,20 +2,27 @@
 raised to NoExecute, give it back when the domain steps down or is untainted.
 
 The cluster-wide implementation is :class:`exporter.k8s.budget.ClusterBudget` (one ConfigMap,
-resourceVersion-guarded updates). :class:`LocalBudget` is the same contract inside one process:
-for dry-run (which writes nothing) and for an agent without a namespace to keep the object in.
+resourceVersion-guarded updates, read through a watch only while a slot is wanted).
+:class:`LocalBudget` is the same contract inside one process: for dry-run (which writes
+nothing) and for an agent without a namespace to keep the object in.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Protocol
+
+Listener = Callable[[], None]
 
 
 class Budget(Protocol):
-    def take(self, holder: str) -> bool: ...  # False when full; idempotent for a holder
+    def take(self, holder: str) -> bool: ...  # False when full; idempotent for a holder; ApiError when unreadable
     def release(self, holder: str) -> None: ...
+    def cancel(self, holder: str) -> None: ...  # a refused holder no longer wants a slot (asks nothing)
     def held(self, prefix: str | None = None) -> set[str]: ...
+    def subscribe(self, listener: Listener) -> None: ...  # called when a refused take may succeed now
+    def close(self) -> None: ...
 
 
 class LocalBudget:
@@ -23,6 +30,7 @@ class LocalBudget:
         self.capacity = capacity
         self._held: set[str] = set()
         self._lock = threading.Lock()
+        self._listeners: list[Listener] = []
 
     def take(self, holder: str) -> bool:
         with self._lock:
@@ -35,8 +43,21 @@ class LocalBudget:
 
     def release(self, holder: str) -> None:
         with self._lock:
+            freed = holder in self._held
             self._held.discard(holder)
+        if freed:
+            for fn in list(self._listeners):
+                fn()
+
+    def cancel(self, holder: str) -> None:
+        """(Nothing is kept for a refused holder.)"""
 
     def held(self, prefix: str | None = None) -> set[str]:
         with self._lock:
             return {h for h in self._held if prefix is None or h.startswith(prefix)}
+
+    def subscribe(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def close(self) -> None:
+        """(Nothing to close.)"""

@@ -15,18 +15,17 @@ published as many DRA devices, and all of them go down with it:
 
 Sources: NVIDIA/k8s-dra-driver-gpu ``cmd/gpu-kubelet-plugin/deviceinfo.go``, ``mig.go`` and
 ``partitions.go``; ROCm/k8s-gpu-dra-driver's driver-attributes document and
-``cmd/gpu-kubeletplugin/deviceinfo.go``. :func:`exporter.k8s.resolve.resolve` maps each device
-to the local device (its ``uuid``) and the GPU it lives on (``parent_uuid``); this module only
-groups. Pure: no I/O.
+``cmd/gpu-kubeletplugin/deviceinfo.go``. The join (:func:`exporter.model.join.join`) resolves
+each published device to the local device (its ``uuid``) and the GPU it lives on, and the
+snapshot carries them (``Snapshot.published``); this module only groups. Pure: no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..k8s.model import SliceDevice
-from ..k8s.resolve import DeviceIndex, resolve
+from ..model.snapshot import PublishedDevice
 from .plan import Target
 
 
@@ -38,18 +37,9 @@ class FaultDomain:
     targets: tuple[Target, ...]
 
 
-def targets(devices: Mapping[tuple[str, str, str], SliceDevice], index: DeviceIndex) -> list[Target]:
+def targets(published: Iterable[PublishedDevice]) -> list[Target]:
     """Every published device that resolves to a local device, with its fault domain."""
-    out = []
-    for key, dev in sorted(devices.items()):
-        res = resolve(key, dev, None, index)
-        if not res.ok:
-            continue
-        ident = index.by_uuid.get(res.uuid)
-        # a DynamicMIG partition resolves to its GPU itself (res.uuid == parent_uuid)
-        gpu = res.parent_uuid or (ident.physical_uuid if ident is not None else res.uuid)
-        out.append(Target(driver=key[0], pool=key[1], device=key[2], uuid=res.uuid, gpu=gpu))
-    return out
+    return [Target(driver=p.driver, pool=p.pool, device=p.device, uuid=p.uuid, gpu=p.gpu) for p in published if p.uuid]
 
 
 def group(ts: list[Target]) -> list[FaultDomain]:

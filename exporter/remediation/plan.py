@@ -107,7 +107,8 @@ class OwnedRule:
     gpu: str = ""  # the fault domain (physical GPU) the rule was written for
     scope: str = "gpu"  # "gpu": a GPU-wide fault; "instance": one MIG instance's own fault
     first_seen: float | None = None  # first evidence, as annotated
-    reset_required: bool = False  # a fatal fault: only an observed GPU reset clears it
+    reset_required: bool | None = None  # a fatal fault: only an observed GPU reset clears it; None: not annotated
+    boot_id: str = ""  # the node boot the rule's fault was recorded under (annotation); "" when not annotated
 
     @property
     def key(self) -> tuple[str, str, str]:

@@ -1,4 +1,4 @@
-"""What the remediator tells the rest of the agent: one frozen report per pass.
+"""What the remediator tells the rest of the agent: one frozen report, published by each pass.
 
 The agent reads this instead of reaching into the remediator's attributes; the metrics layer
 renders it (``TaintRuleView`` has the fields the renderer reads). Nothing here does I/O.
@@ -7,7 +7,6 @@ renders it (``TaintRuleView`` has the fields the renderer reads). Nothing here d
 from __future__ import annotations
 
 import bisect
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -23,21 +22,34 @@ class TaintRuleView:
     tier: str
 
 
+@dataclass(frozen=True)
+class HistogramSnapshot:
+    """A histogram's counts at one moment (what a report carries: never the live one)."""
+
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    counts: tuple[int, ...] = (0,) * (len(LATENCY_BUCKETS) + 1)  # the last one: above every bucket
+    sum: float = 0.0
+    count: int = 0
+
+
 @dataclass
 class Histogram:
+    """Detection-to-taint latency, written by the remediation thread only."""
+
     buckets: tuple[float, ...] = LATENCY_BUCKETS
 
     def __post_init__(self) -> None:
         self.counts = [0] * (len(self.buckets) + 1)
         self.sum = 0.0
         self.count = 0
-        self.samples: deque[float] = deque(maxlen=10000)  # for bench/ percentiles
 
     def observe(self, v: float) -> None:
         self.counts[bisect.bisect_left(self.buckets, v)] += 1
         self.sum += v
         self.count += 1
-        self.samples.append(v)
+
+    def snapshot(self) -> HistogramSnapshot:
+        return HistogramSnapshot(self.buckets, tuple(self.counts), self.sum, self.count)
 
 
 @dataclass(frozen=True)
@@ -53,7 +65,7 @@ class RemediationReport:
     actions: Mapping[str, int] = field(default_factory=dict)
     suppressed: Mapping[str, int] = field(default_factory=dict)
     budget_exhausted: bool | None = None
-    latency: Histogram | None = None
+    latency: HistogramSnapshot | None = None
 
     @property
     def healthy(self) -> bool:

@@ -1,33 +1,75 @@
-"""What the remediator must not forget across restarts, and how it reads it back.
+"""What the remediator must not forget across restarts, and what it can prove happened meanwhile.
 
 * A rule records what it stands for in its annotations (tier, reason, evidence, first seen,
-  whether a GPU reset is required, the fault domain and the scope); :func:`rule_from_object`
-  reads them back and :func:`restore_health` hands them to the health engine on adoption, so a
-  restarted agent keeps a fatal rule until a reset is observed instead of calling the GPU
-  healthy at once.
-* An admin's deletion of a rule is remembered in the ConfigMap ``dra-gpu-exporter-node-<node>``
-  in the agent's namespace (:class:`NodeState`): a restarted agent does not undo it without new
-  evidence. Written only when the set changes (a deletion noticed, a rule created again).
+  whether a GPU reset is required, the fault domain, the scope, the node boot); on adoption
+  :func:`restore_health` hands the conditions back to the health engine, so a restarted agent keeps
+  a fatal rule until a reset is observed instead of calling the GPU healthy at once.
+* A reset that happened while the agent was away counts as observed when it can be proven
+  (:func:`reset_proven`): the rule was written under another boot of the node (or, without that
+  annotation, its fault was first seen before this boot), or the rule was already stepping down
+  because its reset had been observed. The health engine is told of that reset on adoption (a
+  reset event now: the clear time counts from the adoption, at most the agent's start-up later
+  than the boot), so the condition clears after its clear time and the rule steps down after its
+  holds. A condition that would ask for more than the rule has is not restored at all.
+* An admin's deletion of a rule (:class:`AdminMemory`) is remembered in the per-node state
+  ConfigMap: a restarted agent does not undo it without new evidence.
 """
 
 from __future__ import annotations
 
-import datetime as dt
-import json
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypedDict
 
 import structlog
 
-from ..health.model import Tier
-from ..k8s.connection import ApiError, get_json, request_json
-from . import names
-from .plan import Effect, OwnedRule
+from ..devices.model import DeviceEvent, EventKind
+from ..health.model import DeviceHealth, Tier
+from ..k8s.connection import ApiError
+from ..k8s.nodestate import Deletion
+from .boot import BootIdentity
+from .plan import EFFECT_RANK, TIER_EFFECT, OwnedRule
+from .ports import DeletionStore, HealthSource, Key
+from .rules import unit_of
 
 log = structlog.get_logger(__name__)
 
-TIMEOUT = (3.0, 5.0)
-ADMIN_DELETED_KEY = "admin-deleted"  # ConfigMap data key: JSON {"driver/pool/device": {"at": epoch s, "reason": r}}
+
+def reset_proven(rule: OwnedRule, boot: BootIdentity) -> bool:
+    """Whether the GPU behind an adopted rule has been reset since the rule's fault was seen."""
+    if boot.reset_since(rule.boot_id, rule.first_seen):
+        return True  # the node rebooted since: a reboot resets every GPU
+    # A fatal rule written "reset-required: false" was stepping down: its reset was observed.
+    return rule.tier == Tier.FATAL.value and rule.reset_required is False
+
+
+def restore_health(health: HealthSource, rules: Sequence[OwnedRule], now: float, boot: BootIdentity) -> int:
+    """Re-create, in the health engine, the conditions adopted rules stand for (one per device
+    and reason), then book the resets proven to have happened meanwhile, so those conditions
+    clear after the clear time. A proven reset whose condition would ask for more than the rule
+    has (a fatal fault only fenced, or a rule already stepping down) is not restored at all: the
+    reset is over, and a reset GPU is not newly evicted. Returns how many were restored."""
+    done: set[tuple[str, str]] = set()
+    reset: dict[str, str] = {}
+    for r in rules:
+        if not r.reason or r.tier not in {t.value for t in Tier} or r.sticky:
+            continue  # (a sticky rule comes back through mark_sticky: its label is the record)
+        uuid = unit_of(r)
+        if not uuid or (uuid, r.reason) in done:
+            continue
+        proven = reset_proven(r, boot)
+        if proven and EFFECT_RANK[TIER_EFFECT[Tier(r.tier)]] > EFFECT_RANK.get(r.effect, 0):
+            log.info("rule_released_on_adoption", rule=r.name, uuid=uuid, reason=r.reason, tier=r.tier, effect=r.effect)
+            continue
+        done.add((uuid, r.reason))
+        health.restore(uuid, r.reason, Tier(r.tier), r.first_seen or now, r.evidence, bool(r.reset_required))
+        log.info("health_restored_from_rule", rule=r.name, uuid=uuid, reason=r.reason, tier=r.tier, reset_required=r.reset_required, reset_proven=proven)
+        if proven:
+            reset[uuid] = r.name
+    for uuid, name in reset.items():
+        log.warning("gpu_reset_proven", uuid=uuid, rule=name, boot_id=boot.boot_id or None)
+        health.on_event(DeviceEvent(uuid=uuid, kind=EventKind.RESET, detail=f"proven on adoption of {name}"))
+    return len(done)
 
 
 @dataclass(frozen=True)
@@ -37,147 +79,57 @@ class AdminDeletion:
     carried: bool = False  # read back from the ConfigMap: noticed by an earlier process
 
 
-class _StoredDeletion(TypedDict):
-    """One entry of the ConfigMap's admin-deleted JSON."""
-
-    at: float
-    reason: str
+def _event_reason(reason: str) -> bool:
+    """Conditions opened by an event (new evidence each time) rather than a polled state."""
+    return reason.startswith("xid_") or reason in ("ecc_double_bit", "gpu_lost_event", "ras_error")
 
 
-def parse_time(value: str) -> float | None:
-    try:
-        return dt.datetime.strptime(value, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.UTC).timestamp()
-    except (TypeError, ValueError):
-        return None
+class AdminMemory:
+    """Rules an admin deleted, by device key: not recreated without new evidence. Loaded once
+    from the store, written only when the set changes."""
 
+    def __init__(self, store: DeletionStore | None) -> None:
+        self._store = store
+        self._deleted: dict[Key, AdminDeletion] = {}
+        self._loaded = store is None
 
-def rule_from_object(obj: dict[str, Any]) -> OwnedRule | None:
-    try:
-        meta = obj["metadata"]
-        sel = obj["spec"]["deviceSelector"]
-        taint = obj["spec"]["taint"]
-        labels = meta.get("labels") or {}
-        ann = meta.get("annotations") or {}
-        return OwnedRule(
-            name=meta["name"],
-            driver=sel.get("driver", ""),
-            pool=sel.get("pool", ""),
-            device=sel.get("device", ""),
-            uuid=ann.get(names.UUID_ANNOTATION, ""),
-            effect=taint.get("effect", Effect.NONE.value),
-            tier=labels.get(names.TIER_LABEL, "") or ann.get(names.TIER_ANNOTATION, ""),
-            reason=ann.get(names.REASON_ANNOTATION, ""),
-            evidence=ann.get(names.EVIDENCE_ANNOTATION, ""),
-            sticky=labels.get(names.STICKY_LABEL, "").lower() == "true",
-            uid=meta.get("uid", ""),
-            managed=ann.get(names.UNMANAGED_ANNOTATION, "true").lower() != "false",
-            gpu=ann.get(names.GPU_ANNOTATION, ""),
-            scope=ann.get(names.SCOPE_ANNOTATION, "gpu"),
-            first_seen=parse_time(ann.get(names.FIRST_SEEN_ANNOTATION, "")),
-            reset_required=ann.get(names.RESET_REQUIRED_ANNOTATION, "").lower() == "true",
-        )
-    except (KeyError, TypeError, AttributeError):
-        return None
+    def __contains__(self, key: Key) -> bool:
+        return key in self._deleted
 
+    def load_once(self) -> None:
+        """Raises ApiError when the store cannot be read (the pass is retried)."""
+        if not self._loaded and self._store is not None:
+            self._deleted.update({k: AdminDeletion(v.at, v.reason, carried=True) for k, v in self._store.load().items()})
+            self._loaded = True
 
-def restore_health(health: Any, rules: list[OwnedRule], now: float) -> int:
-    """Re-create, in the health engine, the conditions adopted rules stand for (one per device
-    and reason). Returns how many were restored. A health engine without ``restore`` (older
-    build) is left alone."""
-    restore = getattr(health, "restore", None)
-    if restore is None:
-        return 0
-    done: set[tuple[str, str]] = set()
-    for r in rules:
-        if not r.reason or r.tier not in {t.value for t in Tier} or r.sticky:
-            continue  # (a sticky rule comes back through mark_sticky: its label is the record)
-        uuid = r.uuid if r.scope == "instance" or not r.gpu else r.gpu
-        if not uuid or (uuid, r.reason) in done:
-            continue
-        done.add((uuid, r.reason))
-        restore(uuid, r.reason, Tier(r.tier), r.first_seen or now, r.evidence, r.reset_required)
-        log.info("health_restored_from_rule", rule=r.name, uuid=uuid, reason=r.reason, tier=r.tier, reset_required=r.reset_required)
-    return len(done)
+    def noticed(self, key: Key, at: float, reason: str) -> None:
+        self._deleted[key] = AdminDeletion(at, reason)
+        self._save()
 
+    def forget(self, key: Key) -> None:
+        if self._deleted.pop(key, None) is not None:
+            self._save()
 
-class NodeState:
-    """The per-node ConfigMap: admin deletions by device key. Reads once, writes on change."""
+    def since(self, key: Key, h: DeviceHealth) -> float | None:
+        """When an admin's deletion of this device's rule was noticed, for ``plan.decide`` (which
+        recreates the rule only on evidence newer than that). A deletion read back from the
+        store covers a *state* that is still there after a restart (a lost GPU, a failed row
+        remap): the new process sees it "again" but it is the same evidence, so it counts as
+        old for as long as it lasts. Once the device is clean the deletion is forgotten."""
+        entry = self._deleted.get(key)
+        if entry is None:
+            return None
+        if not h.conditions:
+            self.forget(key)
+            return None
+        fresh = [c for c in h.conditions if c.last_seen > entry.at and (not entry.carried or _event_reason(c.reason) or c.reason != entry.reason)]
+        return None if fresh else math.inf
 
-    def __init__(self, client: Any, namespace: str, node: str) -> None:
-        self.client = client
-        self.namespace = namespace
-        self.name = names.node_state_name(node)
-        self.node = node
-        self._rv: str | None = None
-        self._exists: bool | None = None
-        self._written: dict[str, _StoredDeletion] | None = None
-
-    def _path(self, name: str = "") -> str:
-        return f"/api/v1/namespaces/{self.namespace}/configmaps" + (f"/{name}" if name else "")
-
-    def load(self) -> dict[tuple[str, str, str], AdminDeletion]:
-        """The remembered deletions. Raises ApiError when the object cannot be read (not 404)."""
+    def _save(self) -> None:
+        if self._store is None:
+            return
         try:
-            obj = get_json(self.client, self._path(self.name), timeout=TIMEOUT)
+            self._store.save({k: Deletion(v.at, v.reason) for k, v in self._deleted.items()})
         except ApiError as e:
-            if e.status != 404:
-                raise
-            self._exists, self._written = False, {}
-            return {}
-        self._exists = True
-        self._rv = (obj.get("metadata") or {}).get("resourceVersion")
-        raw = (obj.get("data") or {}).get(ADMIN_DELETED_KEY, "{}")
-        try:
-            data: dict[str, _StoredDeletion] = {
-                str(k): {"at": float(v["at"]), "reason": str(v.get("reason", ""))} for k, v in json.loads(raw).items()
-            }
-        except (ValueError, TypeError, AttributeError, KeyError):
-            log.warning("node_state_unreadable", configmap=self.name)
-            data = {}
-        self._written = data
-        out: dict[tuple[str, str, str], AdminDeletion] = {}
-        for k, v in data.items():
-            parts = k.split("/", 2)
-            if len(parts) == 3:
-                out[(parts[0], parts[1], parts[2])] = AdminDeletion(v["at"], v["reason"], carried=True)
-        return out
-
-    def save(self, deleted: dict[tuple[str, str, str], AdminDeletion], _tries: int = 3) -> bool:
-        """Write the set if it changed. False when nothing had to be written."""
-        data: dict[str, _StoredDeletion] = {"/".join(k): {"at": round(v.at, 3), "reason": v.reason} for k, v in sorted(deleted.items())}
-        if data == self._written:
-            return False
-        body: dict[str, Any] = {
-            "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": {
-                "name": self.name,
-                "namespace": self.namespace,
-                "labels": {names.MANAGED_BY: names.MANAGED_BY_VALUE, names.NODE_LABEL: self.node},
-            },
-            "data": {ADMIN_DELETED_KEY: json.dumps(data, sort_keys=True)},
-        }
-        if self._exists is None:
-            self.load()
-        if not self._exists:
-            try:
-                out = request_json(self.client, "POST", self._path(), body=body, timeout=TIMEOUT)
-            except ApiError as e:
-                if e.status != 409 or _tries <= 1:
-                    raise
-                self.load()
-                return self.save(deleted, _tries - 1)
-        else:
-            body["metadata"]["resourceVersion"] = self._rv
-            try:
-                out = request_json(self.client, "PUT", self._path(self.name), body=body, timeout=TIMEOUT)
-            except ApiError as e:
-                if e.status not in (404, 409) or _tries <= 1:
-                    raise
-                self._exists = None
-                self.load()
-                return self.save(deleted, _tries - 1)
-        self._exists = True
-        self._rv = (out.get("metadata") or {}).get("resourceVersion")
-        self._written = data
-        return True
+            # Kept in memory and written on the next change; only a restart meanwhile forgets.
+            log.warning("node_state_not_saved", configmap=self._store.name, error=str(e))
