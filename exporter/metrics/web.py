@@ -418,13 +418,16 @@ class _Conn(asyncio.Protocol):
                 return
             self.phase = BUSY
             # No body is ever read: a request that has one (or claims one) ends the connection,
-            # since what follows its head is not the next request.
+            # since what follows its head is not the next request (and with both Content-Length
+            # and Transfer-Encoding, RFC 9112 section 6.1 asks for the close whatever is read).
             close = n == lim.max_requests_per_connection - 1
-            try:
-                if not isinstance(h.next_event(), h11.EndOfMessage):
-                    close = True
-            except h11.RemoteProtocolError:
+            if "transfer-encoding" in req.headers or req.headers.get("content-length", "0") != "0":
                 close = True
+            else:
+                try:
+                    close = close or not isinstance(h.next_event(), h11.EndOfMessage)
+                except h11.RemoteProtocolError:
+                    close = True
             resp = await srv.handler(req)
             close = close or resp.close or srv.contended()
             await self._respond(h, resp, req.method, close=close)
@@ -558,7 +561,8 @@ class _Conn(asyncio.Protocol):
 
 def head_problem(raw: bytes) -> str | None:
     """What RFC 9112 lets a server refuse and h11 accepts: a bare LF as a line end (section 2.2),
-    obs-fold (section 5.2) and a repeated Content-Length (RFC 9110 section 8.6). h11 itself
+    obs-fold (section 5.2) and a repeated Content-Length, as two fields or as a list in one
+    (RFC 9110 section 8.6). h11 itself
     refuses bare CR, NUL, TAB or spaces in a field name and conflicting lengths. A proxy in
     front may read any of these differently from h11, which is how requests are smuggled."""
     lf = raw.count(b"\n")
@@ -568,8 +572,12 @@ def head_problem(raw: bytes) -> str | None:
         return "bare CR in the request head"
     if b"\n " in raw or b"\n\t" in raw:
         return "obsolete line folding in the request head"
-    if raw.lower().count(b"\ncontent-length:") > 1:
-        return "more than one Content-Length"
+    lower = raw.lower()
+    if (at := lower.find(b"\ncontent-length:")) >= 0:
+        if lower.find(b"\ncontent-length:", at + 1) >= 0:
+            return "more than one Content-Length"
+        if not raw[at + 16 : raw.index(b"\r\n", at + 1)].strip(b" \t").isdigit():
+            return "Content-Length is not one number"  # "5, 5" is a repeated one, merged
     return None
 
 
