@@ -119,6 +119,7 @@ class _BasicAuth:
         self._failed: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         self._waiting: OrderedDict[str, deque[_Job]] = OrderedDict()  # per address, in turn order
         self._running = False
+        self._checking: tuple[str, deque[_Job]] | None = None  # the address checked now, and its line
         self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()  # address -> (count, last)
         self.checks = 0  # bcrypt checks run
         self.throttled = 0  # failures answered late
@@ -173,17 +174,24 @@ class _BasicAuth:
     async def _queue(self, peer: str, hashed: bytes, password: bytes) -> bool:
         loop = asyncio.get_running_loop()
         job = _Job(peer, hashed, password, loop.create_future())
-        self._waiting.setdefault(peer, deque()).append(job)
+        self._line(peer).append(job)
         self._next(loop)
         try:
             return await job.fut
         except asyncio.CancelledError:  # the client went away: its turn is not taken
-            q = self._waiting.get(peer)
+            q = self._checking[1] if self._checking is not None and self._checking[0] == peer else self._waiting.get(peer)
             if q is not None and job in q:
                 q.remove(job)
-                if not q:
+                if not q and self._waiting.get(peer) is q:
                     del self._waiting[peer]
             raise
+
+    def _line(self, peer: str) -> deque[_Job]:
+        """``peer``'s waiting jobs: the address being checked now waits out of the rotation
+        until its check ends, then goes to the back, behind addresses that arrived meanwhile."""
+        if self._checking is not None and self._checking[0] == peer:
+            return self._checking[1]
+        return self._waiting.setdefault(peer, deque())
 
     def _next(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the next check, if none is running: the first waiting job of the address
@@ -191,9 +199,9 @@ class _BasicAuth:
         while not self._running and self._waiting:
             peer, q = self._waiting.popitem(last=False)
             job = q.popleft()
-            if q:
-                self._waiting[peer] = q
             if job.fut.done():
+                if q:
+                    self._waiting[peer] = q
                 continue
             try:
                 work = self._pool.submit(self._check, job.hashed, job.password)
@@ -201,6 +209,7 @@ class _BasicAuth:
                 job.fut.set_result(False)
                 continue
             self._running = True
+            self._checking = (peer, q)
             self.checks += 1
 
             def finished(w: Future[bool], job: _Job = job) -> None:
@@ -213,6 +222,11 @@ class _BasicAuth:
 
     def _finished(self, loop: asyncio.AbstractEventLoop, job: _Job, work: Future[bool]) -> None:
         self._running = False
+        if self._checking is not None:
+            peer, q = self._checking
+            self._checking = None
+            if q:
+                self._waiting[peer] = q  # to the back of the line
         if not job.fut.done():
             ok = False if work.cancelled() or work.exception() is not None else work.result()
             job.fut.set_result(ok)

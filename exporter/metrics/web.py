@@ -638,10 +638,12 @@ class HttpServer:
                 c.abort()
             while self._parked:
                 self._parked.popleft()[0].close()
-            tasks = asyncio.all_tasks(self.loop)
-            for t in tasks:
-                t.cancel()
-            self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            for _ in range(5):  # a task's cleanup may start another (not while stopping, but cheap to be sure)
+                if not (tasks := asyncio.all_tasks(self.loop)):
+                    break
+                for t in tasks:
+                    t.cancel()
+                self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
             self.loop.run_until_complete(asyncio.sleep(0))  # let the transports' closes run
             self.loop.close()
 
@@ -774,6 +776,9 @@ class HttpServer:
             self._resume_accepting()
 
     def _admit(self, conn: socket.socket, has_data: bool) -> None:
+        if self._stopping:
+            conn.close()
+            return
         try:
             if conn.family in (socket.AF_INET, socket.AF_INET6):
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -804,6 +809,9 @@ class HttpServer:
             cpu, wall = time.thread_time(), time.monotonic()
         if wall - wall0 > 1.0 or used <= 0:
             cpu0, wall0 = cpu, wall
+        if self._stopping:
+            self._governing = False
+            return
         if self._parked:
             self._admit_parked()
         if not self._conns and not self._behind and not self._parked:
