@@ -3,8 +3,9 @@
 - Memory: with TLS and basic auth, thousands of unauthenticated ``Connection: close`` requests
   (some clients read the 401, some hang up, some keep the socket open and never read) leave the
   server's RSS where it was; the server runs in a process of its own so its RSS is its own.
-- Credentials: guessing connections never get a valid credential refused (no 429: checks wait,
-  in turn per client address), and one address's failures are answered ever more slowly.
+- Credentials: guessing connections never get a valid credential refused (checks wait, in turn
+  per client address; one address may have 16 waiting), and one address's failures are answered
+  ever more slowly.
 - Slow readers hold no slot another response needs.
 - Past the connection ceiling, a thousand clients requesting without pause do not keep a scraper
   polling once a second from being answered.
@@ -285,6 +286,40 @@ def test_checks_take_turns_per_address_and_nothing_is_refused_for_waiting():
         auth.close()
     assert results == [True] + [False] * 10
     assert order[:2] == [b"guess-0", PASSWORD.encode()], order
+
+
+def test_one_address_cannot_hold_every_slot_waiting_for_checks():
+    """Each waiting check holds a connection slot, and checks finish at ~3 a second: one address
+    may have WAITING_PER_ADDRESS (16) waiting, its next ones get 429 at once (so its connections
+    turn over instead of holding every slot); another address is not affected."""
+    auth = _BasicAuth({"prometheus": bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4))})
+    auth.FIRST_DELAY = auth.MAX_DELAY = 0.0
+    gate = threading.Event()
+    check = auth._check
+
+    def held(hashed: bytes, password: bytes) -> bool:
+        gate.wait(60)
+        return check(hashed, password)
+
+    auth._check = held  # type: ignore[method-assign]
+
+    def header(password: str) -> str:
+        return "Basic " + base64.b64encode(f"prometheus:{password}".encode()).decode()
+
+    async def scenario() -> tuple[list[bool | None], bool | None]:
+        guesses = [asyncio.ensure_future(auth.allowed(header(f"guess-{i}"), "10.0.0.2")) for i in range(30)]
+        valid = asyncio.ensure_future(auth.allowed(header(PASSWORD), "10.0.0.1"))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        gate.set()
+        return await asyncio.gather(*guesses), await valid
+
+    try:
+        guesses, valid = asyncio.run(scenario())
+    finally:
+        auth.close()
+    assert valid is True
+    assert guesses == [False] * 17 + [None] * 13  # one being checked, sixteen waiting, the rest 429
 
 
 def test_failed_attempts_from_one_address_are_throttled():

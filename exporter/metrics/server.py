@@ -95,11 +95,11 @@ class _BasicAuth:
     (user, password digest), like the exporter-toolkit, so a scraper pays once; successes and
     failures in separate caches, so guesses cannot push a good credential out.
 
-    Nothing is refused for being queued (the exporter-toolkit also lets requests wait): each
-    waiting check holds a connection, so the connection ceiling bounds the queue. Waiting
-    checks are served round-robin over client addresses, so a guesser with many connections
-    gets one turn in each round like everyone else, and a valid credential from elsewhere
-    waits for one check per other client, not for the guesser's whole queue. After
+    Checks wait their turn (the exporter-toolkit also lets requests wait) in one line per client
+    address, served round-robin: a guesser with many connections gets one turn in each round
+    like everyone else, and a valid credential from elsewhere waits for one check per other
+    address, never behind the guesser's line and never refused for it. One address may have
+    WAITING_PER_ADDRESS checks waiting (see there). After
     FREE_FAILURES failures from one address within FAILURE_WINDOW, each further failure is
     answered only after a delay that doubles up to MAX_DELAY (a connection is held, nothing
     is computed), so one address's guesses per connection slow down."""
@@ -111,6 +111,11 @@ class _BasicAuth:
     FIRST_DELAY = 0.25
     MAX_DELAY = 2.0
     PEERS = 4096  # addresses whose recent failures are remembered
+    # Checks one address may have waiting. Each holds a connection slot until its turn, and turns
+    # come at ~3 a second: without a cap one address's guesses could hold every slot, and
+    # everyone else (Prometheus included, credential cached or not) would wait in the kernel's
+    # queue for minutes. Past it, that address (only) gets 429. A scraper has one or two waiting.
+    WAITING_PER_ADDRESS = 16
 
     def __init__(self, users: dict[str, bytes]) -> None:
         self.users = users
@@ -143,7 +148,9 @@ class _BasicAuth:
         time.sleep(3 * (time.thread_time() - t0))  # at most 25% of a core on bcrypt
         return ok
 
-    async def allowed(self, header: str | None, peer: str = "") -> bool:
+    async def allowed(self, header: str | None, peer: str = "") -> bool | None:
+        """Whether the credential is valid; None when ``peer`` already has WAITING_PER_ADDRESS
+        checks waiting (answer 429)."""
         if not header or header[:6].lower() != "basic ":
             return False
         try:
@@ -160,6 +167,9 @@ class _BasicAuth:
             self._failed.move_to_end(key)
             ok = False
         else:
+            line = self._checking[1] if self._checking is not None and self._checking[0] == peer else self._waiting.get(peer, ())
+            if len(line) >= self.WAITING_PER_ADDRESS:
+                return None
             ok = await self._queue(peer, hashed, password.encode())
             cache = self._ok if ok else self._failed
             cache[key] = None
@@ -352,7 +362,9 @@ class MetricsServer:
             return Response(405, b"method not allowed\n", [("Content-Type", _TEXT), ("Allow", "GET, HEAD")])
         if path in PROBES:
             return await self._probe(self.liveness if path == "/healthz" else self.readiness, path)
-        if self._auth is not None and not await self._auth.allowed(req.headers.get("authorization"), req.peer_ip):
+        if self._auth is not None and (ok := await self._auth.allowed(req.headers.get("authorization"), req.peer_ip)) is not True:
+            if ok is None:
+                return Response(429, b"too many credential checks waiting from this address\n", [("Content-Type", _TEXT), ("Retry-After", "1")])
             self._http.client_log("http_unauthorized", peer=req.peer)
             return Response(401, b"unauthorized\n", [("Content-Type", _TEXT), ("WWW-Authenticate", 'Basic realm="dra-gpu-exporter"')])
         if path == "/metrics":

@@ -333,6 +333,8 @@ class _Conn(asyncio.Protocol):
             srv._timeout("tls_handshake")
             return False, None
         if not tls.done:
+            if self.closing:
+                return False, None  # evicted, or the server is stopping: not the client's failure
             if tls.error is not None:
                 srv.client_log("http_tls_handshake_failed", peer=self.peer, error=_short(tls.error))
             srv.tls_failed += 1
