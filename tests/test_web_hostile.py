@@ -324,7 +324,7 @@ def test_one_address_cannot_hold_every_slot_waiting_for_checks():
 
 def test_failed_attempts_from_one_address_are_throttled():
     """After three failures from one address within a minute, each further failure from it is
-    answered late (a doubling delay, up to 2 s); another address is not affected, and a valid
+    answered late (a doubling delay, up to 4 s); another address is not affected, and a valid
     credential still gets in. Counted, not timed."""
     s = auth_server(bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode())
 

@@ -109,7 +109,7 @@ class _BasicAuth:
     FREE_FAILURES = 3
     FAILURE_WINDOW = 60.0
     FIRST_DELAY = 0.25
-    MAX_DELAY = 2.0
+    MAX_DELAY = 4.0  # under a common 5-10 s scrape timeout: a mistyped password still reads as 401
     PEERS = 4096  # addresses whose recent failures are remembered
     # Checks one address may have waiting. Each holds a connection slot until its turn, and turns
     # come at ~3 a second: without a cap one address's guesses could hold every slot, and
