@@ -147,6 +147,81 @@ def _flooder(host: str, port: int, threads: int, stop: mp.Event) -> None:
         t.join()
 
 
+def requesters(host: str, port: int, clients: int, path: str, stop: mp.Event, out: mp.Queue, progress: mp.Value | None = None) -> None:
+    """``clients`` connections that keep requesting ``path`` (like ``wrk -c``): each sends a
+    request, reads the whole answer, and sends the next on the same connection; one the server
+    closes (or refuses, or resets) is re-opened at once. One process, one selector, so a thousand
+    clients cost one core at most. Puts (answers read, connections lost) on ``out`` at the end;
+    ``progress`` (if given) counts answers as they come."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, clients + 256)), hard))
+    request = f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    sel = selectors.DefaultSelector()
+    bufs: dict[socket.socket, bytearray] = {}
+    answered = lost = 0
+
+    def open_one() -> None:
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex((host, port))
+        bufs[s] = bytearray()
+        sel.register(s, selectors.EVENT_WRITE)  # writable: connected, send the first request
+
+    def drop(s: socket.socket) -> None:
+        sel.unregister(s)
+        bufs.pop(s, None)
+        s.close()
+
+    for _ in range(clients):
+        open_one()
+    while not stop.is_set():
+        for key, events in sel.select(timeout=0.2):
+            s = key.fileobj
+            assert isinstance(s, socket.socket)
+            try:
+                if events & selectors.EVENT_WRITE:
+                    s.send(request)
+                    sel.modify(s, selectors.EVENT_READ)
+                    continue
+                chunk = s.recv(262144)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                lost += 1
+                drop(s)
+                open_one()
+                continue
+            buf = bufs[s]
+            buf += chunk
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                continue
+            lines = bytes(buf[:end]).lower().split(b"\r\n")
+            length = next((int(line[15:]) for line in lines if line.startswith(b"content-length:")), 0)
+            if len(buf) < end + 4 + length:
+                continue
+            answered += 1
+            if progress is not None:
+                with progress.get_lock():
+                    progress.value += 1
+            del buf[: end + 4 + length]
+            if b"connection: close" in lines:
+                drop(s)
+                open_one()
+            else:
+                try:
+                    s.send(request)
+                except OSError:
+                    lost += 1
+                    drop(s)
+                    open_one()
+    out.put((answered, lost))
+    for s in list(bufs):
+        s.close()
+
+
 def bench(node_factory: Callable, scenario: dict, pct: Callable, results: dict, requests: int = 2000, idle: int = 3000, slow: int = 300, bombs: int = 20, flood_threads: int = 16) -> None:
     node = node_factory(scenario)
     node.start()

@@ -93,7 +93,7 @@ CATALOG: tuple[MetricDef, ...] = (
     # the HTTP server's own bounds (updated once per cycle)
     _m("dra_gpu_exporter_http_connections_open", "gauge", "", "HTTP connections open now"),
     _m("dra_gpu_exporter_http_connection_limit", "gauge", "", "Most HTTP connections held open at once (kept below the open-file limit)"),
-    _m("dra_gpu_exporter_http_connections_rejected_total", "counter", "reason", "HTTP connections closed by the server without a request served: refused (at the limit: none idle, or nothing sent while connections queue), evicted (idle, made room for a new one), tls_failed (handshake failed)"),
+    _m("dra_gpu_exporter_http_connections_rejected_total", "counter", "reason", "HTTP connections closed by the server without a request served: refused (at the limit, nothing sent while connections queue), evicted (idle, made room for a new one), tls_failed (handshake failed, or a client certificate without an allowed SAN)"),
     _m("dra_gpu_exporter_http_timeouts_total", "counter", "phase", "HTTP connections cut off for being slow: idle (no request), header (request head not complete), write (response not read), tls_handshake"),
     _m("dra_gpu_exporter_http_requests_total", "counter", "code", "HTTP requests answered, by status code"),
 )

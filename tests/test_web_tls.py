@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import http.client
 import os
-import ssl
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import bcrypt
 import pytest
@@ -19,72 +17,14 @@ import trustme
 import yaml
 from kit_helpers import fetch, free_port, wait_until
 from prom_helpers import NO_PROMETHEUS_REASON, PROMETHEUS, PrometheusServer
+from tls_helpers import CLIENT_ERRORS, Pki, basic, get, serve, web_config
 
 from exporter.cli import check_web_config
 from exporter.config import ConfigError, build_parser, resolve
-from exporter.metrics.render import Renderer, RenderState
-from exporter.metrics.server import MetricsServer
-from exporter.metrics.webconfig import WebConfigError, load_web_config, parse_web_config
+from exporter.metrics.webconfig import WebConfigError, parse_web_config
 
 PASSWORD = "s3cret-scrape"
 HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()  # cost 4: fast tests, same code path
-
-
-
-
-class Pki:
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.ca = trustme.CA()
-        self.cert, self.key, self.ca_file = tmp / "tls.crt", tmp / "tls.key", tmp / "ca.crt"
-        self.ca.cert_pem.write_to_path(str(self.ca_file))
-        self.issue()
-
-    def issue(self) -> trustme.LeafCert:
-        """A new server certificate, swapped in atomically like a Secret volume update."""
-        leaf = self.ca.issue_cert("127.0.0.1", "localhost")
-        for path, blob in ((self.cert, leaf.cert_chain_pems[0]), (self.key, leaf.private_key_pem)):
-            tmp = path.with_suffix(".new")
-            blob.write_to_path(str(tmp))
-            os.replace(tmp, path)
-        return leaf
-
-    def client_context(self, client: trustme.LeafCert | None = None) -> ssl.SSLContext:
-        ctx = ssl.create_default_context()
-        self.ca.configure_trust(ctx)
-        if client is not None:
-            client.configure_cert(ctx)
-        return ctx
-
-
-def web_config(tmp: Path, doc: dict) -> Path:
-    p = tmp / "web.yml"
-    p.write_text(yaml.safe_dump(doc))
-    return p
-
-
-def serve(path: Path) -> MetricsServer:
-    s = MetricsServer("127.0.0.1", 0, lambda: (True, "ready"), web_config=load_web_config(str(path)))
-    s.publish(Renderer().render(RenderState(cycles=1)))
-    s.start()
-    return s
-
-
-def get(s: MetricsServer, ctx: ssl.SSLContext | None, path: str = "/metrics", headers: dict | None = None):
-    c = http.client.HTTPSConnection("127.0.0.1", s.port, context=ctx, timeout=20) if ctx else http.client.HTTPConnection("127.0.0.1", s.port, timeout=20)
-    try:
-        c.request("GET", path, headers=headers or {})
-        r = c.getresponse()
-        peer = c.sock.getpeercert(binary_form=True) if ctx else None
-        return r.status, dict(r.getheaders()), r.read(), peer
-    finally:
-        c.close()
-
-
-def basic(user: str, password: str) -> dict:
-    import base64
-
-    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
 
 
 def test_tls_serves_rotated_certificates_and_refuses_plain_http(tmp_path):
@@ -123,9 +63,37 @@ def test_mutual_tls_requires_a_certificate_from_the_client_ca(tmp_path):
     try:
         assert get(s, pki.client_context(good))[0] == 200
         for client in (None, stranger):
-            with pytest.raises((ssl.SSLError, ConnectionError, http.client.HTTPException, OSError)):
+            with pytest.raises(CLIENT_ERRORS):
                 get(s, pki.client_context(client))
         assert get(s, pki.client_context(good), "/readyz")[0] == 200  # still serving
+    finally:
+        s.stop()
+
+
+def test_client_allowed_sans_serves_listed_certificates_only(tmp_path):
+    """exporter-toolkit's client_allowed_sans (its VerifyPeerCertificate): after the chain is
+    verified, the client certificate must carry one of the listed values among its DNS, email,
+    IP and URI SANs. Client certificates from the same CA: those with a listed SAN are served;
+    one whose SAN is not listed is refused (closed right after the handshake, before a request
+    is read), even with a listed name as its subject CN, which the toolkit does not compare."""
+    pki = Pki(tmp_path)
+    by_dns = pki.ca.issue_cert("prometheus.monitoring.svc")
+    by_email = pki.ca.issue_cert("scraper@example.com")
+    by_ip = pki.ca.issue_cert("10.0.0.7", "2001:db8::7")
+    unlisted = pki.ca.issue_cert("intruder.example", "10.0.0.8", common_name="prometheus.monitoring.svc")
+    s = serve(web_config(tmp_path, {"tls_server_config": {
+        "cert_file": str(pki.cert), "key_file": str(pki.key),
+        "client_auth_type": "RequireAndVerifyClientCert", "client_ca_file": str(pki.ca_file),
+        "client_allowed_sans": ["prometheus.monitoring.svc", "scraper@example.com", "2001:db8::7"],
+    }}))
+    try:
+        for client in (by_dns, by_email, by_ip):
+            assert get(s, pki.client_context(client))[0] == 200
+        with pytest.raises(CLIENT_ERRORS):
+            get(s, pki.client_context(unlisted))
+        wait_until(lambda: s.stats().tls_failed == 1, message="the refused certificate counted")
+        assert get(s, pki.client_context(by_dns), "/readyz")[0] == 200  # still serving
+        assert s.stats().requests == {"200": 4}  # the refused client's request was never read
     finally:
         s.stop()
 

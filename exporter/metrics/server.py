@@ -13,15 +13,15 @@ import base64
 import hashlib
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import structlog
 
 from .render import Exposition
 from .web import HttpServer, Limits, Request, Response, bind
-from .webconfig import ReloadingContext, WebConfig
+from .webconfig import ReloadingContext, WebConfig, client_san_problem
 from .webstats import HttpStats
 
 log = structlog.get_logger(__name__)
@@ -79,21 +79,55 @@ def wants_gzip(accept_encoding: str) -> bool:
     return named.get("*", 0) > 0
 
 
+class _Job:
+    __slots__ = ("fut", "hashed", "password", "peer")
+
+    def __init__(self, peer: str, hashed: bytes, password: bytes, fut: asyncio.Future[bool]) -> None:
+        self.peer, self.hashed, self.password, self.fut = peer, hashed, password, fut
+
+
 class _BasicAuth:
-    """bcrypt checks off the event loop, one at a time, at most a quarter of a core.
+    """bcrypt checks off the event loop, one at a time, at most a quarter of a core, taken in
+    turn per client address; failures from one address are answered ever more slowly.
 
     A check costs ~70 ms of CPU at cost 10; done on the loop it would stall every client, and
     a flood of wrong passwords would take a core from device reads. Results are cached per
-    (user, password digest), like the exporter-toolkit, so a scraper pays once."""
+    (user, password digest), like the exporter-toolkit, so a scraper pays once; successes and
+    failures in separate caches, so guesses cannot push a good credential out.
 
-    MAX_PENDING = 8
-    CACHE = 256
+    Checks wait their turn (the exporter-toolkit also lets requests wait) in one line per client
+    address, served round-robin: a guesser with many connections gets one turn in each round
+    like everyone else, and a valid credential from elsewhere waits for one check per other
+    address, never behind the guesser's line and never refused for it. One address may have
+    WAITING_PER_ADDRESS checks waiting (see there). After
+    FREE_FAILURES failures from one address within FAILURE_WINDOW, each further failure is
+    answered only after a delay that doubles up to MAX_DELAY (a connection is held, nothing
+    is computed), so one address's guesses per connection slow down."""
+
+    OK_CACHE = 64
+    FAILED_CACHE = 256
+    FREE_FAILURES = 3
+    FAILURE_WINDOW = 60.0
+    FIRST_DELAY = 0.25
+    MAX_DELAY = 4.0  # under a common 5-10 s scrape timeout: a mistyped password still reads as 401
+    PEERS = 4096  # addresses whose recent failures are remembered
+    # Checks one address may have waiting. Each holds a connection slot until its turn, and turns
+    # come at ~3 a second: without a cap one address's guesses could hold every slot, and
+    # everyone else (Prometheus included, credential cached or not) would wait in the kernel's
+    # queue for minutes. Past it, that address (only) gets 429. A scraper has one or two waiting.
+    WAITING_PER_ADDRESS = 16
 
     def __init__(self, users: dict[str, bytes]) -> None:
         self.users = users
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="http-auth")
-        self._cache: OrderedDict[tuple[str, bytes], bool] = OrderedDict()
-        self._pending = 0
+        self._ok: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+        self._failed: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+        self._waiting: OrderedDict[str, deque[_Job]] = OrderedDict()  # per address, in turn order
+        self._running = False
+        self._checking: tuple[str, deque[_Job]] | None = None  # the address checked now, and its line
+        self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()  # address -> (count, last)
+        self.checks = 0  # bcrypt checks run
+        self.throttled = 0  # failures answered late
         import bcrypt
 
         # An unknown user is checked against this hash, so timing does not tell which user
@@ -114,30 +148,110 @@ class _BasicAuth:
         time.sleep(3 * (time.thread_time() - t0))  # at most 25% of a core on bcrypt
         return ok
 
-    async def allowed(self, header: str | None) -> bool | None:
-        """True/False, or None when too many checks are queued (answer 429)."""
+    async def allowed(self, header: str | None, peer: str = "") -> bool | None:
+        """Whether the credential is valid; None when ``peer`` already has WAITING_PER_ADDRESS
+        checks waiting (answer 429)."""
         if not header or header[:6].lower() != "basic ":
             return False
         try:
             user, sep, password = base64.b64decode(header[6:].strip(), validate=True).decode("utf-8").partition(":")
         except (ValueError, UnicodeDecodeError):
             return False
+        known = user in self.users and bool(sep)
         hashed = self.users.get(user) or self._dummy
         key = (user, hashlib.sha256(hashed + b"\0" + password.encode()).digest())
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return self._cache[key] and user in self.users and bool(sep)
-        if self._pending >= self.MAX_PENDING:
-            return None
-        self._pending += 1
+        if key in self._ok:
+            self._ok.move_to_end(key)
+            return known
+        if key in self._failed:
+            self._failed.move_to_end(key)
+            ok = False
+        else:
+            line = self._checking[1] if self._checking is not None and self._checking[0] == peer else self._waiting.get(peer, ())
+            if len(line) >= self.WAITING_PER_ADDRESS:
+                return None
+            ok = await self._queue(peer, hashed, password.encode())
+            cache = self._ok if ok else self._failed
+            cache[key] = None
+            if len(cache) > (self.OK_CACHE if ok else self.FAILED_CACHE):
+                cache.popitem(last=False)
+        if ok and known:
+            self._failures.pop(peer, None)
+            return True
+        await self._throttle(peer)
+        return False
+
+    async def _queue(self, peer: str, hashed: bytes, password: bytes) -> bool:
+        loop = asyncio.get_running_loop()
+        job = _Job(peer, hashed, password, loop.create_future())
+        self._line(peer).append(job)
+        self._next(loop)
         try:
-            ok = await asyncio.get_running_loop().run_in_executor(self._pool, self._check, hashed, password.encode())
-        finally:
-            self._pending -= 1
-        self._cache[key] = ok
-        if len(self._cache) > self.CACHE:
-            self._cache.popitem(last=False)
-        return ok and user in self.users and bool(sep)
+            return await job.fut
+        except asyncio.CancelledError:  # the client went away: its turn is not taken
+            q = self._checking[1] if self._checking is not None and self._checking[0] == peer else self._waiting.get(peer)
+            if q is not None and job in q:
+                q.remove(job)
+                if not q and self._waiting.get(peer) is q:
+                    del self._waiting[peer]
+            raise
+
+    def _line(self, peer: str) -> deque[_Job]:
+        """``peer``'s waiting jobs: the address being checked now waits out of the rotation
+        until its check ends, then goes to the back, behind addresses that arrived meanwhile."""
+        if self._checking is not None and self._checking[0] == peer:
+            return self._checking[1]
+        return self._waiting.setdefault(peer, deque())
+
+    def _next(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the next check, if none is running: the first waiting job of the address
+        whose turn it is; that address goes to the back of the line."""
+        while not self._running and self._waiting:
+            peer, q = self._waiting.popitem(last=False)
+            job = q.popleft()
+            if job.fut.done():
+                if q:
+                    self._waiting[peer] = q
+                continue
+            try:
+                work = self._pool.submit(self._check, job.hashed, job.password)
+            except RuntimeError:  # stopping
+                job.fut.set_result(False)
+                continue
+            self._running = True
+            self._checking = (peer, q)
+            self.checks += 1
+
+            def finished(w: Future[bool], job: _Job = job) -> None:
+                try:
+                    loop.call_soon_threadsafe(self._finished, loop, job, w)
+                except RuntimeError:
+                    pass  # the loop is closed: the server stopped
+
+            work.add_done_callback(finished)
+
+    def _finished(self, loop: asyncio.AbstractEventLoop, job: _Job, work: Future[bool]) -> None:
+        self._running = False
+        if self._checking is not None:
+            peer, q = self._checking
+            self._checking = None
+            if q:
+                self._waiting[peer] = q  # to the back of the line
+        if not job.fut.done():
+            ok = False if work.cancelled() or work.exception() is not None else work.result()
+            job.fut.set_result(ok)
+        self._next(loop)
+
+    async def _throttle(self, peer: str) -> None:
+        now = time.monotonic()
+        count, last = self._failures.pop(peer, (0, now))
+        count = 1 if now - last > self.FAILURE_WINDOW else count + 1
+        self._failures[peer] = (count, now)
+        if len(self._failures) > self.PEERS:
+            self._failures.popitem(last=False)
+        if count > self.FREE_FAILURES:
+            self.throttled += 1
+            await asyncio.sleep(min(self.MAX_DELAY, self.FIRST_DELAY * 2 ** (count - self.FREE_FAILURES - 1)))
 
 
 class MetricsServer:
@@ -166,7 +280,10 @@ class MetricsServer:
         self._probe_slots = {p: threading.BoundedSemaphore(self.PROBES_QUEUED) for p in PROBES}  # submitted, not finished
         sock = bind(host, port)
         self._host = host
-        self._http = HttpServer(sock, self._handle, limits or Limits(), tls=self._tls.current if self._tls else None)
+        tls = self.web_config.tls
+        allowed = tls.client_allowed_sans if tls is not None else ()
+        peer_check = (lambda cert: client_san_problem(cert, allowed)) if allowed else None
+        self._http = HttpServer(sock, self._handle, limits or Limits(), tls=self._tls.current if self._tls else None, peer_check=peer_check)
         self._started = False
 
     # -- public ------------------------------------------------------------------------------
@@ -245,13 +362,11 @@ class MetricsServer:
             return Response(405, b"method not allowed\n", [("Content-Type", _TEXT), ("Allow", "GET, HEAD")])
         if path in PROBES:
             return await self._probe(self.liveness if path == "/healthz" else self.readiness, path)
-        if self._auth is not None:
-            ok = await self._auth.allowed(req.headers.get("authorization"))
+        if self._auth is not None and (ok := await self._auth.allowed(req.headers.get("authorization"), req.peer_ip)) is not True:
             if ok is None:
-                return Response(429, b"too many authentication attempts in flight\n", [("Content-Type", _TEXT), ("Retry-After", "1")])
-            if not ok:
-                self._http.client_log("http_unauthorized", peer=req.peer)
-                return Response(401, b"unauthorized\n", [("Content-Type", _TEXT), ("WWW-Authenticate", 'Basic realm="dra-gpu-exporter"')])
+                return Response(429, b"too many credential checks waiting from this address\n", [("Content-Type", _TEXT), ("Retry-After", "1")])
+            self._http.client_log("http_unauthorized", peer=req.peer)
+            return Response(401, b"unauthorized\n", [("Content-Type", _TEXT), ("WWW-Authenticate", 'Basic realm="dra-gpu-exporter"')])
         if path == "/metrics":
             return self._metrics(req)
         if path == "/static":

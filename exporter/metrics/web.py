@@ -1,35 +1,47 @@
 """A small HTTP/1.1 server on one asyncio event loop, bounded by construction.
 
-Why not http.server: it spends a thread per connection, with no idle or read timeout, and
-accepts 100 headers of 64 KiB each; a few thousand idle connections or a few dozen large
-headers exhausted the agent's threads, file descriptors and memory. Why not aiohttp: it is
-a large dependency whose limits (per-connection buffers, handler tasks, keep-alive) would
-still need tuning and checking here; the job is to copy cached bytes out, which asyncio's
-streams do in a few hundred lines that this module can bound completely.
+HTTP/1.1 itself (request heads in, response heads out, keep-alive and pipelining) is python-hyper's
+``h11``, a sans-IO state machine: it decides what RFC 9112 says, and this module adds the few
+refusals it leaves to the server (below). What this module owns is what no Python server offers:
+the connection manager (a ceiling that never drops a request in flight, per-phase timeouts, a
+bounded TLS pump) and a CPU governor. Why not http.server: a thread per connection, no idle or
+read timeout, 100 headers of 64 KiB each. Why not aiohttp or uvicorn: their per-connection
+buffers, handler tasks and keep-alive would still need bounding here, and neither has a ceiling
+that keeps a scraper's request when a flood fills it.
 
 The bounds, all in ``Limits``:
-- at most ``max_connections`` open connections (kept below the open-file limit). At the
-  ceiling, a new connection makes a connection that is waiting for a request give way: the
-  oldest that never completed one (an idle or slow-header client: the cheapest to lose, and
-  exactly what such an attack consists of), else the oldest idle keep-alive; with none to
-  evict, the new one is closed at once;
-- a connection must send the first byte of a request within ``idle_timeout`` and the whole
-  request head within ``header_timeout`` after that; a response must drain within
-  ``write_timeout``; a TLS handshake must finish within ``tls_handshake_timeout``;
-- the request head is at most ``max_head_bytes`` bytes and ``max_headers`` lines; request
-  bodies are never read (the connection is closed after the answer instead);
+- at most ``max_connections`` connections, counting those closed but still draining (kept below
+  the open-file limit). At the ceiling a newcomer takes the place of an idle connection: the
+  oldest that never sent a byte, else the oldest whose request head has been arriving for over
+  ``SLOW_HEAD`` seconds (a slow sender), else the oldest idle keep-alive. A connection whose
+  request is in flight (bytes received, in our buffer or the kernel's) is never evicted. With
+  nothing to evict, a newcomer that sent a request waits, accepted but without a transport
+  (``PARKED_MAX`` of them, then the kernel's queue holds the rest), and keep-alive answers carry
+  ``Connection: close`` so slots go round; a newcomer that sent nothing while connections queue
+  is closed at once;
+- a connection must send the first byte of a request within ``idle_timeout`` and the whole head
+  within ``header_timeout`` after that (408); a TLS handshake must finish within
+  ``tls_handshake_timeout``; each wait for a response to drain within ``write_timeout``;
+- the request head is at most ``max_head_bytes`` (h11's ``max_incomplete_event_size``) and
+  ``max_headers`` lines (431); bodies are never read (the connection is closed after the answer);
+  a head h11 would accept but RFC 9112 lets a server refuse (bare LF, obs-fold, a repeated
+  Content-Length) is refused with 400, because a proxy in front may read it differently;
 - one request at a time per connection, ``max_requests_per_connection`` in all;
-- per-connection buffers: reads of ``READ_CHUNK`` bytes into a buffer paused at twice the
-  head limit, writes in ``WRITE_CHUNK`` slices each drained before the next;
-- the event loop thread's CPU is held to ``cpu_share`` of one core by a governor that makes
-  the loop sleep when it has used more, so a flood cannot take the CPU from device reads.
-Everything runs on one thread (plus one per probe check and one for bcrypt, see server.py);
-memory and threads stay flat whatever clients do.
+- per connection at most ``READ_CHUNK`` x 2 bytes read ahead and ``WRITE_CHUNK`` bytes of a
+  response buffered (the next slice is written when the last has reached the kernel), so a
+  client that does not read holds no more than that, and never a slot another client needs;
+- TLS runs through ``ssl.SSLObject`` over memory BIOs (OpenSSL's own buffers, released when
+  idle), not asyncio's SSL transport, whose 256 KiB buffer per connection and wait for the
+  peer's close_notify kept closed connections' memory alive for seconds;
+- the event loop thread's CPU is held to ``cpu_share`` of one core by a governor that makes the
+  loop sleep when it has used more, so a flood cannot take the CPU from device reads.
+Everything runs on one thread (plus one per probe check and one for bcrypt, see server.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import resource
 import socket
@@ -38,8 +50,10 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any
 
+import h11
 import structlog
 
 log = structlog.get_logger(__name__)
@@ -47,16 +61,18 @@ log = structlog.get_logger(__name__)
 ACCEPT_BATCH = 64
 LISTEN_BACKLOG = 4096  # capped by net.core.somaxconn
 READ_CHUNK = 16 * 1024
-# Responses up to SMALL_BODY (probes, gzipped metrics: what Prometheus asks for) are written
-# at once. Larger ones (uncompressed /metrics) are written in WRITE_CHUNK slices by at most
-# LARGE_WRITERS connections at a time, so clients that do not read hold at most
-# max_connections x SMALL_BODY + LARGE_WRITERS x 2 x WRITE_CHUNK bytes of our memory, until
-# the write timeout cuts them off. (64 KiB slices were measurably slower: more loop wake-ups.)
-SMALL_BODY = 64 * 1024
-WRITE_CHUNK = 256 * 1024
-LARGE_WRITERS = 16
+# The most response bytes buffered per connection: a response is written in slices of this size,
+# each once the previous one has gone to the kernel. A client that does not read therefore holds
+# at most one slice of our memory (plus the kernel's socket buffer, which is not ours), and no
+# slot: there is no pool of writers for slow readers to exhaust.
+WRITE_CHUNK = 64 * 1024
+PARKED_MAX = ACCEPT_BATCH  # accepted, waiting for a connection slot (a socket each, nothing more)
+SLOW_HEAD = 1.0  # a request head (or TLS handshake) still arriving after this long is a slow sender's
 SERVER = "dra-gpu-exporter"  # no version: it only helps someone pick an exploit
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout", 429: "Too Many Requests", 431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable", 505: "HTTP Version Not Supported"}
+
+# Connection phases. Only IDLE (nothing received since the connection was made or last answered)
+# and a HEAD that has been arriving for over SLOW_HEAD can be evicted.
+IDLE, HEAD, BUSY, CLOSING = "idle", "head", "busy", "closing"
 
 
 @dataclass(frozen=True)
@@ -80,6 +96,7 @@ class Request:
     headers: dict[str, str]  # lower-case names; repeated headers joined with ", "
     peer: str
     peer_cert: dict[str, Any] | None = None
+    peer_ip: str = ""  # the peer's address without the port
 
     @property
     def path(self) -> str:
@@ -95,6 +112,8 @@ class Response:
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+# A verified client certificate (ssl's getpeercert() form) -> None to accept, else why it is refused.
+PeerCheck = Callable[[dict[str, Any]], str | None]
 
 
 class RateLimitedLog:
@@ -117,24 +136,13 @@ class RateLimitedLog:
         log.warning(event, **kw, **({"similar_not_logged": dropped} if dropped else {}))
 
 
-class _Conn:
-    __slots__ = ("id", "served", "since", "transport", "waiting")
-
-    def __init__(self, cid: int, transport: asyncio.WriteTransport) -> None:
-        self.id = cid
-        self.transport = transport
-        self.waiting = True  # waiting for (or reading) a request head: evictable
-        self.since = time.monotonic()
-        self.served = 0  # requests answered: a scraper's keep-alive connection gives way last
-
-
 def effective_connection_limit(wanted: int) -> int:
     """``wanted``, kept well below the open-file limit: the process needs descriptors for its
     own work (device library, gRPC, API watches), and accept() hitting EMFILE stalls the loop."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return wanted
-    return max(8, min(wanted, soft - 256 - ACCEPT_BATCH, soft // 2))
+    return max(8, min(wanted, soft - 256 - ACCEPT_BATCH - PARKED_MAX, soft // 2))
 
 
 def bind(host: str, port: int, backlog: int = 128) -> socket.socket:
@@ -149,49 +157,456 @@ def bind(host: str, port: int, backlog: int = 128) -> socket.socket:
         raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-class _Protocol(asyncio.StreamReaderProtocol):
-    def __init__(self, server: HttpServer) -> None:
-        self._srv = server
-        reader = asyncio.StreamReader(limit=server.limits.max_head_bytes, loop=server.loop)
-        super().__init__(reader, server._serve_conn, loop=server.loop)
+class _Refused(Exception):
+    """A request refused before the handler: answered with ``status`` and closed."""
 
+    def __init__(self, status: int, reason: str, method: str = "GET") -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+        self.method = method  # the request's, when its line was read (a HEAD gets no body)
+
+
+class _TLS:
+    """One connection's TLS state: OpenSSL through ssl.SSLObject, bytes in and out by hand."""
+
+    __slots__ = ("done", "error", "incoming", "obj", "outgoing")
+
+    def __init__(self, ctx: ssl.SSLContext) -> None:
+        self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.obj = ctx.wrap_bio(self.incoming, self.outgoing, server_side=True)
+        self.done = False  # handshake complete
+        self.error: BaseException | None = None
+
+
+class _Conn(asyncio.Protocol):
+    """One accepted connection: its transport, read-ahead, TLS state and serving task."""
+
+    __slots__ = (
+        "abort_handle", "closing", "drain_waiter", "eof", "id", "inbuf", "lost", "peer", "peer_ip", "phase", "reading_paused", "served",
+        "since", "sock", "srv", "task", "tls", "transport", "waiter", "writing_paused",
+    )
+
+    def __init__(self, server: HttpServer, cid: int, sock: socket.socket, has_data: bool) -> None:
+        self.srv = server
+        self.id = cid
+        self.sock = sock  # kept to peek at what the kernel holds before evicting
+        self.transport: asyncio.Transport | None = None
+        self.phase = HEAD if has_data else IDLE
+        self.since = time.monotonic()
+        self.served = 0
+        self.peer = ""
+        self.peer_ip = ""
+        self.inbuf = bytearray()
+        self.eof = False
+        self.lost = False
+        self.closing = False
+        self.reading_paused = False
+        self.writing_paused = False
+        self.waiter: asyncio.Future[None] | None = None
+        self.drain_waiter: asyncio.Future[None] | None = None
+        self.tls: _TLS | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.abort_handle: asyncio.TimerHandle | None = None
+
+    # -- asyncio.Protocol ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)  # a stream socket's transport always is
-        # Before any task exists: a connection over the ceiling costs an accept and a close.
-        if not self._srv._admit(transport):
-            transport.abort()
-            return
+        self.transport = transport
         try:
             transport.max_size = READ_CHUNK  # type: ignore[attr-defined]  # bounded reads
-            sock = transport.get_extra_info("socket")
-            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except (AttributeError, OSError):
+        except AttributeError:
             pass
-        super().connection_made(transport)
+        # Paused as soon as anything is buffered, resumed once all of it reached the kernel: one
+        # slice of a response at a time (see WRITE_CHUNK).
+        transport.set_write_buffer_limits(high=0)
+        self.peer, self.peer_ip = _peer(transport.get_extra_info("peername"))
+
+    def data_received(self, data: bytes) -> None:
+        if self.phase == IDLE:
+            self.phase, self.since = HEAD, time.monotonic()
+        tls = self.tls
+        if tls is None:
+            self.inbuf += data
+        else:
+            self._tls_in(tls, data)
+        if len(self.inbuf) >= READ_CHUNK and not self.reading_paused and self.transport is not None:
+            self.reading_paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._wake()
+        return True  # half-closed: the answer can still be written
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self.abort_handle is not None:
+            self.abort_handle.cancel()
+            self.abort_handle = None
+        self._wake()
+        self._wake_drain()
+        if self.task is not None and not self.task.done() and not self.closing:
+            self.task.cancel()  # the client is gone: stop waiting for a bcrypt check or a probe
+        self.tls = None
+        self.transport = None
+        self.srv._release(self)
+
+    def pause_writing(self) -> None:
+        self.writing_paused = True
+
+    def resume_writing(self) -> None:
+        self.writing_paused = False
+        self._wake_drain()
+
+    # -- reading -------------------------------------------------------------------------------
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _wake_drain(self) -> None:
+        w = self.drain_waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _wait(self) -> None:
+        self.waiter = self.srv.loop.create_future()
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+
+    async def _read(self) -> bytes:
+        """What has arrived (at least one byte), or b"" at the end of the stream."""
+        while not self.inbuf:
+            if self.eof or self.lost:
+                return b""
+            await self._wait()
+        data = bytes(self.inbuf)
+        self.inbuf.clear()
+        if self.reading_paused and self.transport is not None:
+            self.reading_paused = False
+            self.transport.resume_reading()
+        return data
+
+    # -- TLS -------------------------------------------------------------------------------------
+    def _tls_in(self, tls: _TLS, data: bytes) -> None:
+        tls.incoming.write(data)
+        try:
+            if not tls.done:
+                tls.obj.do_handshake()
+                tls.done = True
+            while chunk := tls.obj.read(READ_CHUNK):
+                self.inbuf += chunk
+            self.eof = True  # read() returns b"" at a clean end
+        except ssl.SSLWantReadError:
+            pass
+        except ssl.SSLZeroReturnError:
+            self.eof = True  # the client's close_notify
+        except (ssl.SSLError, ValueError) as e:
+            tls.error = e
+            self.eof = True
+        finally:
+            self._tls_out(tls)
+
+    def _tls_out(self, tls: _TLS) -> None:
+        out = tls.outgoing.read()
+        if out and self.transport is not None and not self.lost:
+            self.transport.write(out)
+
+    async def _handshake(self, ctx: ssl.SSLContext) -> tuple[bool, dict[str, Any] | None]:
+        """Run the TLS handshake (fed by data_received): (whether it succeeded, the client's
+        certificate or None). A failure is counted and logged here."""
+        srv = self.srv
+        tls = self.tls = _TLS(ctx)
+        if self.inbuf:  # bytes that arrived before TLS was set up: the ClientHello
+            early = bytes(self.inbuf)
+            self.inbuf.clear()
+            self._tls_in(tls, early)
+        try:
+            async with asyncio.timeout(srv.limits.tls_handshake_timeout):
+                while not tls.done and tls.error is None and not self.eof and not self.lost:
+                    await self._wait()
+        except TimeoutError:
+            srv._timeout("tls_handshake")
+            return False, None
+        if not tls.done:
+            if self.closing:
+                return False, None  # evicted, or the server is stopping: not the client's failure
+            if tls.error is not None:
+                srv.client_log("http_tls_handshake_failed", peer=self.peer, error=_short(tls.error))
+            srv.tls_failed += 1
+            return False, None
+        cert = tls.obj.getpeercert() or None
+        if srv.peer_check is not None and (problem := srv.peer_check(cert or {})) is not None:
+            # exporter-toolkit refuses such a certificate inside the handshake; OpenSSL through
+            # Python's ssl has no hook there, so the connection is closed before a request is read
+            srv.client_log("http_client_certificate_refused", peer=self.peer, reason=problem)
+            srv.tls_failed += 1
+            return False, None
+        return True, cert
+
+    # -- writing ---------------------------------------------------------------------------------
+    def _write(self, data: bytes | memoryview) -> None:
+        if self.lost or self.transport is None:
+            raise ConnectionError("connection lost")
+        tls = self.tls
+        if tls is None:
+            self.transport.write(data)
+        else:
+            tls.obj.write(data)
+            self._tls_out(tls)
+
+    async def _drain(self) -> None:
+        if not self.writing_paused:
+            return
+        self.drain_waiter = self.srv.loop.create_future()
+        try:
+            async with asyncio.timeout(self.srv.limits.write_timeout):
+                while self.writing_paused and not self.lost:
+                    await self.drain_waiter
+                    self.drain_waiter = self.srv.loop.create_future()
+        except TimeoutError:
+            self.srv._timeout("write")
+            if self.transport is not None:
+                self.transport.abort()
+            raise ConnectionError("write timed out") from None
+        finally:
+            self.drain_waiter = None
+        if self.lost:
+            raise ConnectionError("connection lost")
+
+    # -- the connection's task -------------------------------------------------------------------
+    async def run(self) -> None:
+        srv = self.srv
+        try:
+            try:
+                await srv.loop.connect_accepted_socket(lambda: self, sock=self.sock)
+            except (OSError, asyncio.CancelledError):
+                # evicted or stopped before its transport existed (a transport that did exist
+                # holds this same socket object, so closing it again is a no-op)
+                self.sock.close()
+                return
+            peer_cert = None
+            if srv.tls is not None:
+                ok, peer_cert = await self._handshake(srv.tls())
+                if not ok:
+                    return
+            await self._requests(peer_cert)
+        except (ConnectionError, OSError, ssl.SSLError):
+            pass  # the client went away: nothing to say
+        except asyncio.CancelledError:
+            pass  # the connection was lost or evicted, or the server is stopping
+        except Exception as e:  # a bug in a handler must not end the server
+            srv.client_log("http_handler_error", peer=self.peer, error=_short(e))
+        finally:
+            self.close()
+
+    async def _requests(self, peer_cert: dict[str, Any] | None) -> None:
+        srv, lim = self.srv, self.srv.limits
+        h = h11.Connection(h11.SERVER, max_incomplete_event_size=lim.max_head_bytes)
+        for n in range(lim.max_requests_per_connection):
+            if n:
+                h.start_next_cycle()
+            try:
+                req = await self._next_request(h, peer_cert)
+            except _Refused as r:
+                srv.client_log("http_request_rejected", peer=self.peer, reason=r.reason)
+                await self._respond(h, Response(r.status, (r.reason + "\n").encode(), [("Content-Type", "text/plain; charset=utf-8")]), r.method, close=True)
+                return
+            if req is None:
+                return
+            self.phase = BUSY
+            # No body is ever read: a request that has one (or claims one) ends the connection,
+            # since what follows its head is not the next request (and with both Content-Length
+            # and Transfer-Encoding, RFC 9112 section 6.1 asks for the close whatever is read).
+            close = n == lim.max_requests_per_connection - 1
+            if "transfer-encoding" in req.headers or req.headers.get("content-length", "0") != "0":
+                close = True
+            else:
+                try:
+                    close = close or not isinstance(h.next_event(), h11.EndOfMessage)
+                except h11.RemoteProtocolError:
+                    close = True
+            resp = await srv.handler(req)
+            close = close or resp.close or srv.contended()
+            await self._respond(h, resp, req.method, close=close)
+            self.served += 1
+            if close or h.our_state is not h11.DONE or h.their_state is not h11.DONE:
+                return
+
+    async def _next_request(self, h: h11.Connection, peer_cert: dict[str, Any] | None) -> Request | None:
+        """The next request head, parsed by h11 and checked; None when the client closed or
+        went idle. Raises _Refused for a head to refuse."""
+        srv, lim = self.srv, self.srv.limits
+        head = bytearray(h.trailing_data[0])  # the raw head so far (a pipelined request's start)
+        arriving = head or self.inbuf or (self.tls is not None and self.tls.incoming.pending)
+        self.phase, self.since = (HEAD if arriving else IDLE), time.monotonic()
+        deadline: float | None = srv.loop.time() + lim.header_timeout if head else None
+        while True:
+            try:
+                event = h.next_event()
+            except h11.RemoteProtocolError as e:
+                if e.error_status_hint == 431:
+                    raise _Refused(431, f"request head over {lim.max_head_bytes} bytes") from None
+                raise _Refused(e.error_status_hint, _short_text(str(e))) from None
+            if isinstance(event, h11.Request):
+                break
+            if isinstance(event, h11.ConnectionClosed):
+                return None
+            # NEED_DATA (nothing else can come before a request)
+            if deadline is None:
+                try:
+                    async with asyncio.timeout(lim.idle_timeout):
+                        data = await self._read()
+                except TimeoutError:
+                    srv._timeout("idle")
+                    return None
+                deadline = srv.loop.time() + lim.header_timeout
+            else:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        data = await self._read()
+                except TimeoutError:
+                    srv._timeout("header")
+                    raise _Refused(408, "request head not received in time") from None
+            if not data and not head:
+                return None  # closed between requests
+            head += data
+            h.receive_data(data)
+        raw = bytes(head[: len(head) - len(h.trailing_data[0])])
+        method = event.method.decode("latin-1")  # case-sensitive (RFC 9110 section 9.1): "get" is not GET
+        if len(raw) > lim.max_head_bytes:
+            raise _Refused(431, f"request head over {lim.max_head_bytes} bytes", method)
+        if (problem := head_problem(raw)) is not None:
+            raise _Refused(400, problem, method)
+        if event.http_version not in (b"1.1", b"1.0"):
+            raise _Refused(505, "HTTP/1.0 and HTTP/1.1 only", method)
+        if len(event.headers) > lim.max_headers:
+            raise _Refused(431, f"more than {lim.max_headers} request headers", method)
+        headers: dict[str, str] = {}
+        for name, value in event.headers:
+            k, v = name.decode("latin-1"), value.decode("latin-1")
+            headers[k] = f"{headers[k]}, {v}" if k in headers else v
+        return Request(
+            method, event.target.decode("latin-1"), "HTTP/" + event.http_version.decode("latin-1"),
+            headers, self.peer, peer_cert, self.peer_ip,
+        )
+
+    async def _respond(self, h: h11.Connection, resp: Response, method: str, close: bool) -> None:
+        self.srv._count(resp.status)
+        body = resp.body
+        headers = [("Server", SERVER), ("Content-Length", str(len(body))), *resp.headers]
+        if close:
+            headers.append(("Connection", "close"))
+        try:
+            status = HTTPStatus(resp.status).phrase
+        except ValueError:
+            status = "Unknown"
+        try:
+            head = h.send(h11.Response(status_code=resp.status, headers=headers, reason=status.encode()))
+            if method == "HEAD" or not body:
+                body = b""
+            else:
+                h.send_with_data_passthrough(h11.Data(data=body))  # h11 checks it against Content-Length
+            h.send(h11.EndOfMessage())
+        except h11.LocalProtocolError as e:  # a state h11 refuses to answer in: say nothing more
+            self.srv.client_log("http_response_refused", peer=self.peer, error=_short(e))
+            raise ConnectionError("no response possible") from None
+        assert head is not None
+        if len(body) <= WRITE_CHUNK:
+            self._write(head + body)
+            await self._drain()
+            return
+        self._write(head)
+        view = memoryview(body)
+        for i in range(0, len(body), WRITE_CHUNK):
+            await self._drain()
+            self._write(view[i : i + WRITE_CHUNK])
+        await self._drain()
+
+    def close(self) -> None:
+        """Close from our side: the slot stays taken until the transport has drained what is
+        buffered (at most ``write_timeout``, then it is cut), but nothing else is held."""
+        if self.closing:
+            return
+        self.closing = True
+        self.phase = CLOSING
+        tls, transport = self.tls, self.transport
+        self.tls = None
+        self.inbuf = bytearray()
+        if transport is None or self.lost:
+            self.srv._release(self)
+            return
+        if tls is not None and tls.done:
+            try:
+                tls.obj.unwrap()  # writes our close_notify; the client's is not waited for
+            except (ssl.SSLError, ValueError, OSError):
+                pass
+            out = tls.outgoing.read()
+            if out:
+                transport.write(out)
+        if transport.get_write_buffer_size():
+            self.abort_handle = self.srv.loop.call_later(self.srv.limits.write_timeout, transport.abort)
+        transport.close()
+
+    def abort(self) -> None:
+        self.closing = True
+        self.phase = CLOSING
+        if self.transport is not None:
+            self.transport.abort()
+        elif self.task is not None:
+            self.task.cancel()  # its transport is not made yet: run() closes the socket
+
+
+def head_problem(raw: bytes) -> str | None:
+    """What RFC 9112 lets a server refuse and h11 accepts: a bare LF as a line end (section 2.2),
+    obs-fold (section 5.2) and a repeated Content-Length, as two fields or as a list in one
+    (RFC 9110 section 8.6). h11 itself
+    refuses bare CR, NUL, TAB or spaces in a field name and conflicting lengths. A proxy in
+    front may read any of these differently from h11, which is how requests are smuggled."""
+    lf = raw.count(b"\n")
+    if raw.count(b"\r\n") != lf:
+        return "bare LF in the request head"
+    if raw.count(b"\r") != lf:
+        return "bare CR in the request head"
+    if b"\n " in raw or b"\n\t" in raw:
+        return "obsolete line folding in the request head"
+    lower = raw.lower()
+    if (at := lower.find(b"\ncontent-length:")) >= 0:
+        if lower.find(b"\ncontent-length:", at + 1) >= 0:
+            return "more than one Content-Length"
+        if not raw[at + 16 : raw.index(b"\r\n", at + 1)].strip(b" \t").isdigit():
+            return "Content-Length is not one number"  # "5, 5" is a repeated one, merged
+    return None
 
 
 class HttpServer:
     """Serves ``handler`` on a socket from one event-loop thread."""
 
-    def __init__(self, sock: socket.socket, handler: Handler, limits: Limits = Limits(), tls: Callable[[], ssl.SSLContext] | None = None) -> None:
+    def __init__(self, sock: socket.socket, handler: Handler, limits: Limits = Limits(), tls: Callable[[], ssl.SSLContext] | None = None, peer_check: PeerCheck | None = None) -> None:
         self.sock = sock
         self.handler = handler
         self.limits = limits
         self.max_connections = effective_connection_limit(limits.max_connections)
         self.tls = tls
+        self.peer_check = peer_check
         self.loop = asyncio.new_event_loop()
         self.loop.set_exception_handler(self._loop_error)
         self.client_log = RateLimitedLog()
         self._conns: dict[int, _Conn] = {}
+        self._parked: collections.deque[tuple[socket.socket, bool]] = collections.deque()
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._behind = False  # the last accept batch was full: connections are queueing
+        self._accepting = False
+        self._stopping = False
         # The CPU governor ticks (every 20 ms) only while there is something to govern: an idle
         # loop woken 50 times a second was the agent's largest idle cost (~1 % of a core on an
         # H100 node, measured with bench/profile_agent.py).
         self._governing = False
-        self._large_writers = asyncio.Semaphore(LARGE_WRITERS)
         # counters (read by other threads for self-metrics; ints under the GIL)
         self.refused = 0
         self.evicted = 0
@@ -207,25 +622,31 @@ class HttpServer:
             asyncio.set_event_loop(self.loop)
 
             async def open_server() -> None:
-                # Our own accept loop (not loop.create_server): at the ceiling it can refuse a
-                # connection for the price of accept + peek + close, before any transport exists.
-                # The kernel's queue in front is long (as Go servers make it), so a burst waits
-                # there instead of being dropped half-open; ACCEPT_BATCH bounds the descriptors
+                # Our own accept loop (not loop.create_server): at the ceiling it decides per
+                # connection, for the price of accept + peek, before any transport exists. The
+                # kernel's queue in front is long (as Go servers make it), so a burst waits there
+                # instead of being dropped half-open; ACCEPT_BATCH bounds the descriptors
                 # accepted per loop iteration.
                 self.sock.setblocking(False)
                 self.sock.listen(LISTEN_BACKLOG)
-                self.loop.add_reader(self.sock.fileno(), self._on_accept)
+                self._resume_accepting()
                 started.set()
 
             self.loop.run_until_complete(open_server())
             self.loop.run_forever()
             # stopped: close what is left, then the loop
+            self._stopping = True
             for c in list(self._conns.values()):
-                c.transport.abort()
-            tasks = asyncio.all_tasks(self.loop)
-            for t in tasks:
-                t.cancel()
-            self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+                c.abort()
+            while self._parked:
+                self._parked.popleft()[0].close()
+            for _ in range(5):  # a task's cleanup may start another (not while stopping, but cheap to be sure)
+                if not (tasks := asyncio.all_tasks(self.loop)):
+                    break
+                for t in tasks:
+                    t.cancel()
+                self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            self.loop.run_until_complete(asyncio.sleep(0))  # let the transports' closes run
             self.loop.close()
 
         self._thread = threading.Thread(target=run, name="http", daemon=True)
@@ -239,7 +660,7 @@ class HttpServer:
             return
 
         def halt() -> None:
-            self.loop.remove_reader(self.sock.fileno())
+            self._pause_accepting()
             self.loop.stop()
 
         self.loop.call_soon_threadsafe(halt)
@@ -251,7 +672,22 @@ class HttpServer:
     def connections_open(self) -> int:
         return len(self._conns)
 
-    # -- bounds ------------------------------------------------------------------------------
+    def contended(self) -> bool:
+        """Connections are waiting for a slot: a keep-alive connection gives its slot up after
+        the answer in hand, so slots go round instead of staying with whoever holds them."""
+        return bool(self._parked)
+
+    # -- accepting ---------------------------------------------------------------------------
+    def _pause_accepting(self) -> None:
+        if self._accepting:
+            self._accepting = False
+            self.loop.remove_reader(self.sock.fileno())
+
+    def _resume_accepting(self) -> None:
+        if not self._accepting and not self._stopping:
+            self._accepting = True
+            self.loop.add_reader(self.sock.fileno(), self._on_accept)
+
     def _on_accept(self) -> None:
         if not self._governing:
             self._governing = True
@@ -265,47 +701,106 @@ class HttpServer:
                 break
             except OSError as e:  # out of descriptors or buffers: pause accepting, do not spin
                 self.client_log("http_accept_failed", error=_short(e))
-                fd = self.sock.fileno()
-                self.loop.remove_reader(fd)
-                self.loop.call_later(0.1, self.loop.add_reader, fd, self._on_accept)
+                self._pause_accepting()
+                self.loop.call_later(0.1, self._resume_accepting)
                 return
             conn.setblocking(False)
-            if self._behind and len(self._conns) >= self.max_connections and not _has_data(conn):
-                # Behind (the kernel queue is not empty) and full: a connection that waited in
-                # the queue and still sent nothing is an idle one; a scraper's request would be
-                # there by now. Closing it here costs microseconds; admitting it would cost a
-                # transport, a task and an eviction, and the queue would never drain.
-                conn.close()
-                self.refused += 1
-                continue
-            self.loop.create_task(self._connect(conn))
+            self._place(conn)
+            if not self._accepting:
+                break  # the waiting line is full: the kernel's queue holds the rest
         self._behind = n >= ACCEPT_BATCH
 
-    async def _connect(self, conn: socket.socket) -> None:
-        try:
-            await self.loop.connect_accepted_socket(lambda: _Protocol(self), sock=conn)
-        except OSError:
+    def _place(self, conn: socket.socket) -> None:
+        if len(self._conns) < self.max_connections and not self._parked:
+            self._admit(conn, False)
+            return
+        has_data = _has_data(conn)
+        if not has_data and self._behind:
+            # Full, and connections queue in the kernel: one that waited in the queue and still
+            # sent nothing is an idle one (a scraper's request would be there by now). Closing it
+            # costs microseconds; admitting it would cost a transport, a task and an eviction.
             conn.close()
+            self.refused += 1
+            return
+        victim = self._victim() if len(self._conns) >= self.max_connections else None
+        if victim is not None:
+            self._evict(victim)
+            self._admit(conn, has_data)
+        elif len(self._parked) < PARKED_MAX:
+            self._parked.append((conn, has_data))
+            if len(self._parked) >= PARKED_MAX:
+                self._pause_accepting()
+        else:  # not reached: accepting pauses when the line is full
+            conn.close()
+            self.refused += 1
 
-    def _admit(self, transport: asyncio.WriteTransport) -> bool:
-        if len(self._conns) >= self.max_connections:
-            waiting = [c for c in self._conns.values() if c.waiting]
-            if not waiting:
-                self.refused += 1
-                self.client_log("http_connection_refused", reason=f"{self.max_connections} connections open, none idle")
-                return False
-            # connections that never completed a request first (what an idle or slow-header
-            # attack consists of), oldest first; a scraper's keep-alive connection only when
-            # nothing else is left
-            oldest = min(waiting, key=lambda c: (c.served > 0, c.since))
-            self._conns.pop(oldest.id, None)
-            oldest.transport.abort()
-            self.evicted += 1
-        cid = next(self._ids)
-        self._conns[cid] = _Conn(cid, transport)
-        transport._dge_id = cid  # type: ignore[attr-defined]
-        return True
+    def _victim(self) -> _Conn | None:
+        """The connection to close for a newcomer at the ceiling: idle ones (never used first,
+        then slow senders, then idle keep-alive), oldest first; never one with request bytes
+        received, in our buffer or still in the kernel's."""
+        now = time.monotonic()
+        for _ in range(8):
+            best: _Conn | None = None
+            best_key = (3, 0.0)
+            for c in self._conns.values():
+                if c.closing:
+                    continue
+                if c.phase == IDLE:
+                    rank = 0 if c.served == 0 else 2
+                elif c.phase == HEAD and now - c.since >= SLOW_HEAD:
+                    rank = 1
+                else:
+                    continue
+                key = (rank, c.since)
+                if key < best_key:
+                    best, best_key = c, key
+            if best is None:
+                return None
+            if best.phase == IDLE and _has_data(best.sock):
+                best.phase, best.since = HEAD, now  # its request is arriving: not idle
+                continue
+            return best
+        return None
 
+    def _evict(self, victim: _Conn) -> None:
+        self._conns.pop(victim.id, None)
+        victim.abort()
+        self.evicted += 1
+
+    def _admit_parked(self) -> None:
+        """Give a waiting newcomer the place of a connection that has become evictable since
+        (a slow sender past SLOW_HEAD): run from the governor's tick while any wait."""
+        while self._parked and len(self._conns) >= self.max_connections and (victim := self._victim()) is not None:
+            self._evict(victim)
+            conn, has_data = self._parked.popleft()
+            self._admit(conn, has_data)
+        if len(self._parked) < PARKED_MAX and not self._stopping:
+            self._resume_accepting()
+
+    def _admit(self, conn: socket.socket, has_data: bool) -> None:
+        if self._stopping:
+            conn.close()
+            return
+        try:
+            if conn.family in (socket.AF_INET, socket.AF_INET6):
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        c = _Conn(self, next(self._ids), conn, has_data)
+        self._conns[c.id] = c
+        c.task = self.loop.create_task(c.run())
+
+    def _release(self, c: _Conn) -> None:
+        """``c`` is gone (its transport lost, or it never got one): free its slot."""
+        if self._conns.pop(c.id, None) is None:
+            return
+        while self._parked and len(self._conns) < self.max_connections and not self._stopping:
+            conn, has_data = self._parked.popleft()
+            self._admit(conn, has_data)
+        if len(self._parked) < PARKED_MAX and not self._stopping and self._thread is not None:
+            self._resume_accepting()
+
+    # -- bounds ------------------------------------------------------------------------------
     def _govern(self, cpu0: float, wall0: float) -> None:
         """Hold the loop thread to ``cpu_share`` of a core: after a busy stretch, sleep (which
         releases the GIL to the device and event threads) until the average is back under."""
@@ -316,7 +811,12 @@ class HttpServer:
             cpu, wall = time.thread_time(), time.monotonic()
         if wall - wall0 > 1.0 or used <= 0:
             cpu0, wall0 = cpu, wall
-        if not self._conns and not self._behind:
+        if self._stopping:
+            self._governing = False
+            return
+        if self._parked:
+            self._admit_parked()
+        if not self._conns and not self._behind and not self._parked:
             self._governing = False  # idle: the next accept starts it again
             return
         self.loop.call_later(0.02, self._govern, cpu0, wall0)
@@ -334,133 +834,6 @@ class HttpServer:
         k = str(status)
         self.requests[k] = self.requests.get(k, 0) + 1
 
-    # -- connections -------------------------------------------------------------------------
-    async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        cid = getattr(writer.transport, "_dge_id", None)
-        conn = self._conns.get(cid) if cid is not None else None
-        peer = _peer(writer)
-        try:
-            if conn is None:  # evicted before its task ran
-                return
-            peer_cert = None
-            if self.tls is not None:
-                try:
-                    await writer.start_tls(self.tls(), ssl_handshake_timeout=self.limits.tls_handshake_timeout)
-                except TimeoutError:
-                    self._timeout("tls_handshake")
-                    return
-                except (ssl.SSLError, OSError, ConnectionError) as e:
-                    self.client_log("http_tls_handshake_failed", peer=peer, error=_short(e))
-                    self._count_tls_failure()
-                    return
-                peer_cert = writer.get_extra_info("peercert")
-                conn.transport = writer.transport
-            writer.transport.set_write_buffer_limits(high=WRITE_CHUNK)
-            await self._requests(conn, reader, writer, peer, peer_cert)
-        except (ConnectionError, OSError, asyncio.IncompleteReadError, ssl.SSLError):
-            pass  # the client went away: nothing to say
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a bug in a handler must not end the server
-            self.client_log("http_handler_error", peer=peer, error=_short(e))
-        finally:
-            if cid is not None:
-                self._conns.pop(cid, None)
-            # close() flushes what is still buffered; a client that never reads would keep it
-            # open forever, so it is cut off after the write timeout whatever happens
-            transport = writer.transport
-            writer.close()
-            self.loop.call_later(self.limits.write_timeout, transport.abort)
-
-    def _count_tls_failure(self) -> None:
-        self.tls_failed += 1
-
-    async def _requests(self, conn: _Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str, peer_cert: dict[str, Any] | None) -> None:
-        lim = self.limits
-        for n in range(lim.max_requests_per_connection):
-            conn.waiting, conn.since = True, time.monotonic()
-            try:
-                first = await asyncio.wait_for(reader.read(1), lim.idle_timeout)
-            except TimeoutError:
-                self._timeout("idle")
-                return
-            if not first:
-                return  # closed by the client
-            try:
-                rest = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), lim.header_timeout)
-            except TimeoutError:
-                self._timeout("header")
-                await self._answer(writer, Response(408, b"request head not received in time\n", close=True), "GET")
-                return
-            except asyncio.LimitOverrunError:
-                self.client_log("http_request_rejected", peer=peer, reason=f"request head over {lim.max_head_bytes} bytes")
-                await self._answer(writer, Response(431, b"request head too large\n", close=True), "GET")
-                return
-            conn.waiting = False
-            req, problem = self._parse(first + rest, peer, peer_cert)
-            if req is None:
-                self.client_log("http_request_rejected", peer=peer, reason=problem.body.decode().strip())
-                await self._answer(writer, problem, "GET")
-                return
-            close = _wants_close(req) or n == lim.max_requests_per_connection - 1
-            if req.headers.get("content-length", "0").strip() not in ("", "0") or "transfer-encoding" in req.headers:
-                close = True  # bodies are never read; what follows the head is not a request
-            resp = await self.handler(req)
-            await self._answer(writer, resp, req.method, close=close or resp.close, version=req.version)
-            conn.served += 1
-            if close or resp.close:
-                return
-
-    def _parse(self, head: bytes, peer: str, peer_cert: dict[str, Any] | None) -> tuple[Request | None, Response]:
-        lines = head[:-4].split(b"\r\n")
-        parts = lines[0].split(b" ")
-        if len(parts) != 3 or not parts[0].isalpha() or not parts[1]:
-            return None, Response(400, b"malformed request line\n", close=True)
-        method, target, version = (p.decode("latin-1") for p in parts)
-        if version not in ("HTTP/1.1", "HTTP/1.0"):
-            return None, Response(505 if version.startswith("HTTP/") else 400, b"HTTP/1.0 and HTTP/1.1 only\n", close=True)
-        if len(lines) - 1 > self.limits.max_headers:
-            return None, Response(431, b"too many request headers\n", close=True)
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep or not name or name.strip() != name or b" " in name:
-                return None, Response(400, b"malformed header line\n", close=True)
-            k, v = name.decode("latin-1").lower(), value.strip().decode("latin-1")
-            headers[k] = f"{headers[k]}, {v}" if k in headers else v
-        return Request(method.upper(), target, version, headers, peer, peer_cert), Response(200)
-
-    async def _answer(self, writer: asyncio.StreamWriter, resp: Response, method: str, close: bool = True, version: str = "HTTP/1.1") -> None:
-        self._count(resp.status)
-        body = resp.body
-        lines = [f"{version if version == 'HTTP/1.0' else 'HTTP/1.1'} {resp.status} {_REASONS.get(resp.status, 'Unknown')}", f"Server: {SERVER}", f"Content-Length: {len(body)}"]
-        lines += [f"{k}: {v}" for k, v in resp.headers]
-        if close:
-            lines.append("Connection: close")
-        elif version == "HTTP/1.0":
-            lines.append("Connection: keep-alive")
-        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-        if method == "HEAD":
-            body = b""
-        try:
-            if len(body) <= SMALL_BODY:
-                writer.write(head + body)
-                await asyncio.wait_for(writer.drain(), self.limits.write_timeout)
-            else:
-                await asyncio.wait_for(self._large_writers.acquire(), self.limits.write_timeout)
-                try:
-                    writer.write(head)
-                    view = memoryview(body)
-                    for i in range(0, len(body), WRITE_CHUNK):
-                        writer.write(view[i : i + WRITE_CHUNK])
-                        await asyncio.wait_for(writer.drain(), self.limits.write_timeout)
-                finally:
-                    self._large_writers.release()
-        except TimeoutError:
-            self._timeout("write")
-            writer.transport.abort()
-            raise ConnectionError("write timed out") from None
-
 
 def _has_data(conn: socket.socket) -> bool:
     try:
@@ -471,20 +844,17 @@ def _has_data(conn: socket.socket) -> bool:
         return False  # reset already
 
 
-def _wants_close(req: Request) -> bool:
-    tokens = {t.strip().lower() for t in req.headers.get("connection", "").split(",")}
-    if req.version == "HTTP/1.0":
-        return "keep-alive" not in tokens
-    return "close" in tokens
-
-
-def _peer(writer: asyncio.StreamWriter) -> str:
-    p = writer.get_extra_info("peername")
+def _peer(p: object) -> tuple[str, str]:
+    """("host:port" as logged, the host alone) of a peername."""
     if isinstance(p, tuple) and len(p) >= 2:
-        return f"[{p[0]}]:{p[1]}" if ":" in str(p[0]) else f"{p[0]}:{p[1]}"
-    return str(p)
+        host = str(p[0])
+        return (f"[{host}]:{p[1]}" if ":" in host else f"{host}:{p[1]}"), host
+    return str(p), str(p)
 
 
 def _short(e: BaseException) -> str:
-    s = f"{type(e).__name__}: {e}"
+    return _short_text(f"{type(e).__name__}: {e}")
+
+
+def _short_text(s: str) -> str:
     return s if len(s) <= 200 else s[:200] + "..."

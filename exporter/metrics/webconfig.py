@@ -3,21 +3,34 @@ Prometheus exporter-toolkit's file format, so a file written for node_exporter w
 
 Format: https://github.com/prometheus/exporter-toolkit/blob/master/docs/web-configuration.md
 
-What differs from the toolkit, and why:
+Every key either does what the toolkit does or is refused with one line naming it
+(``KEYS`` lists them all; tests/test_web_config_keys.py walks each one). Where it differs:
 - The file itself is read once, at start (a bad file ends the program with one line, exit 2).
   The certificate, key and client CA *files* it names are re-read when they change on disk,
-  so cert-manager rotations are served without a restart.
+  so cert-manager rotations are served without a restart. Relative paths are taken from the
+  file's directory, as the toolkit does.
 - ``client_auth_type`` accepts NoClientCert, VerifyClientCertIfGiven and
-  RequireAndVerifyClientCert. RequestClientCert and RequireAnyClientCert accept a certificate
-  without verifying it; OpenSSL through Python's ssl module cannot do that, and the toolkit's
-  own docs call them insecure.
-- ``cipher_suites``, ``curve_preferences`` and ``rate_limit`` use Go's names and semantics;
-  they are refused with a clear error rather than silently ignored. ``http2`` is accepted
-  and has no effect (this server speaks HTTP/1.1, which is what Prometheus scrapes with).
+  RequireAndVerifyClientCert. RequestClientCert and RequireAnyClientCert (and the old alias
+  RequireClientCert) accept a certificate without verifying it; OpenSSL through Python's ssl
+  module cannot do that, and the toolkit's own docs call them insecure: refused.
+- ``client_allowed_sans`` is checked as the toolkit checks it (its ``VerifyPeerCertificate``):
+  after the chain is verified, the client certificate must carry one of the listed values
+  among its DNS, email, IP and URI subject alternative names, compared as exact strings (IPs
+  in Go's text form); the subject's common name does not count. The toolkit fails the
+  handshake; here the connection is closed right after it, before any request is read.
+- ``cipher_suites`` and ``curve_preferences`` use Go's names; ``rate_limit`` is one token
+  bucket for all clients, which lets a flood lock Prometheus out: refused with a clear error
+  rather than silently ignored.
+- ``http2``: this server speaks HTTP/1.1 only and says so in ALPN, so a client that offers h2
+  negotiates HTTP/1.1; ``false`` is exactly the toolkit's behaviour, ``true`` (its default)
+  is accepted for files written for node_exporter.
+- ``prefer_server_cipher_suites`` (default true) sets OpenSSL's server-preference option; Go
+  (1.17 and later) ignores the key and always chooses itself.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import ssl
 import threading
@@ -46,7 +59,7 @@ _CLIENT_AUTH = {
     "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
     "RequireAndVerifyClientCert": ssl.CERT_REQUIRED,
 }
-_UNVERIFIED_AUTH = ("RequestClientCert", "RequireAnyClientCert")
+_UNVERIFIED_AUTH = ("RequestClientCert", "RequireAnyClientCert", "RequireClientCert")
 # The toolkit allows exactly these response headers (and checks two of their values).
 _HEADERS = {
     "content-security-policy": ("Content-Security-Policy", None),
@@ -55,7 +68,11 @@ _HEADERS = {
     "x-xss-protection": ("X-XSS-Protection", None),
     "strict-transport-security": ("Strict-Transport-Security", None),
 }
-_TLS_KEYS = {"cert_file", "key_file", "cert", "key", "client_ca_file", "client_ca", "client_auth_type", "client_allowed_sans", "min_version", "max_version", "cipher_suites", "prefer_server_cipher_suites", "curve_preferences"}
+_TOP_KEYS = ("tls_server_config", "http_server_config", "basic_auth_users", "rate_limit")
+_TLS_KEYS = ("cert_file", "key_file", "cert", "key", "client_ca_file", "client_ca", "client_auth_type", "client_allowed_sans", "min_version", "max_version", "cipher_suites", "prefer_server_cipher_suites", "curve_preferences")
+_HTTP_KEYS = ("http2", "headers")
+# Every key of the exporter-toolkit format, dotted: what tests/test_web_config_keys.py walks.
+KEYS = (*(k for k in _TOP_KEYS if k not in ("tls_server_config", "http_server_config")), *(f"tls_server_config.{k}" for k in _TLS_KEYS), *(f"http_server_config.{k}" for k in _HTTP_KEYS))
 _UNSUPPORTED_TLS = {"cipher_suites": "Go cipher suite names", "curve_preferences": "Go curve names"}
 
 
@@ -71,6 +88,7 @@ class TLSSettings:
     client_allowed_sans: tuple[str, ...] = ()
     min_version: ssl.TLSVersion = ssl.TLSVersion.TLSv1_2
     max_version: ssl.TLSVersion = ssl.TLSVersion.TLSv1_3
+    prefer_server_cipher_suites: bool = True
 
 
 @dataclass(frozen=True)
@@ -95,7 +113,8 @@ def _string(v: Any, where: str) -> str:
     return v
 
 
-def _readable(path: str, where: str) -> str:
+def _readable(path: str, where: str, base: str) -> str:
+    path = os.path.join(base, path)  # an absolute path stays as it is
     try:
         with open(path, "rb"):
             pass
@@ -107,12 +126,13 @@ def _readable(path: str, where: str) -> str:
 def parse_web_config(data: Any, source: str = "") -> WebConfig:
     """Validate a parsed YAML document; WebConfigError with one line on the first problem."""
     top = _mapping(data, "web config")
-    unknown = set(top) - {"tls_server_config", "http_server_config", "basic_auth_users", "rate_limit"}
+    unknown = set(top) - set(_TOP_KEYS)
     if unknown:
         raise WebConfigError(f"unknown key(s) {', '.join(sorted(map(str, unknown)))} (expected tls_server_config, http_server_config, basic_auth_users)")
     if top.get("rate_limit"):
-        raise WebConfigError("rate_limit: not supported (the server has its own fixed per-client limits, see docs/deploy.md)")
-    tls = _parse_tls(top["tls_server_config"]) if top.get("tls_server_config") else None
+        raise WebConfigError("rate_limit: not supported (one limit for all clients would let a flood lock Prometheus out; the server's own per-connection limits apply, see docs/deploy.md)")
+    base = os.path.dirname(os.path.abspath(source)) if source else ""
+    tls = _parse_tls(top["tls_server_config"], base) if top.get("tls_server_config") else None
     users: dict[str, bytes] = {}
     for user, hashed in _mapping(top.get("basic_auth_users"), "basic_auth_users").items():
         user = _string(user, "basic_auth_users: user name")
@@ -126,7 +146,7 @@ def parse_web_config(data: Any, source: str = "") -> WebConfig:
     headers: list[tuple[str, str]] = []
     http = _mapping(top.get("http_server_config"), "http_server_config")
     for k in http:
-        if k not in ("http2", "headers"):
+        if k not in _HTTP_KEYS:
             raise WebConfigError(f"http_server_config: unknown key {k!r} (expected http2, headers)")
     if "http2" in http and not isinstance(http["http2"], bool):
         raise WebConfigError("http_server_config.http2: expected true or false")
@@ -146,9 +166,9 @@ def parse_web_config(data: Any, source: str = "") -> WebConfig:
     return WebConfig(tls=tls, basic_auth_users=users, headers=tuple(headers), source=source)
 
 
-def _parse_tls(raw: Any) -> TLSSettings:
+def _parse_tls(raw: Any, base: str = "") -> TLSSettings:
     t = _mapping(raw, "tls_server_config")
-    unknown = set(t) - _TLS_KEYS
+    unknown = set(t) - set(_TLS_KEYS)
     if unknown:
         raise WebConfigError(f"tls_server_config: unknown key(s) {', '.join(sorted(map(str, unknown)))}")
     for k, what in _UNSUPPORTED_TLS.items():
@@ -159,7 +179,7 @@ def _parse_tls(raw: Any) -> TLSSettings:
         if t.get(inline) and t.get(path):
             raise WebConfigError(f"tls_server_config: give {inline} or {path}, not both")
         if t.get(path):
-            kw[path] = _readable(_string(t[path], f"tls_server_config.{path}"), f"tls_server_config.{path}")
+            kw[path] = _readable(_string(t[path], f"tls_server_config.{path}"), f"tls_server_config.{path}", base)
         elif t.get(inline):
             kw[inline] = _string(t[inline], f"tls_server_config.{inline}")
     if not (kw.get("cert_file") or kw.get("cert")) or not (kw.get("key_file") or kw.get("key")):
@@ -170,15 +190,25 @@ def _parse_tls(raw: Any) -> TLSSettings:
     if auth not in _CLIENT_AUTH:
         raise WebConfigError(f"tls_server_config.client_auth_type {auth!r}: expected one of {', '.join(_CLIENT_AUTH)}")
     kw["verify_mode"] = _CLIENT_AUTH[auth]
-    if kw["verify_mode"] != ssl.CERT_NONE and not (kw.get("client_ca_file") or kw.get("client_ca")):
+    has_ca = bool(kw.get("client_ca_file") or kw.get("client_ca"))
+    if kw["verify_mode"] != ssl.CERT_NONE and not has_ca:
         raise WebConfigError(f"tls_server_config.client_auth_type {auth}: needs client_ca_file (or client_ca)")
-    sans = t.get("client_allowed_sans") or []
-    if sans:
+    if kw["verify_mode"] == ssl.CERT_NONE and has_ca:
+        # the toolkit refuses this too: a CA that is never asked for looks like mTLS and is not
+        raise WebConfigError("tls_server_config.client_ca_file (or client_ca): set, but client_auth_type is NoClientCert; set RequireAndVerifyClientCert or VerifyClientCertIfGiven")
+    if "client_allowed_sans" in t and t["client_allowed_sans"] is not None:
+        sans = t["client_allowed_sans"]
         if not isinstance(sans, list) or not all(isinstance(s, str) and s for s in sans):
             raise WebConfigError("tls_server_config.client_allowed_sans: expected a list of strings")
+        if not sans:
+            raise WebConfigError("tls_server_config.client_allowed_sans: empty, which would refuse every client; list the SANs to allow, or leave the key out")
         if kw["verify_mode"] != ssl.CERT_REQUIRED:
             raise WebConfigError("tls_server_config.client_allowed_sans: needs client_auth_type RequireAndVerifyClientCert")
         kw["client_allowed_sans"] = tuple(sans)
+    if "prefer_server_cipher_suites" in t:
+        if not isinstance(t["prefer_server_cipher_suites"], bool):
+            raise WebConfigError("tls_server_config.prefer_server_cipher_suites: expected true or false")
+        kw["prefer_server_cipher_suites"] = t["prefer_server_cipher_suites"]
     for k in ("min_version", "max_version"):
         if t.get(k) is not None:
             if t[k] not in _TLS_VERSIONS:
@@ -224,6 +254,11 @@ def build_context(s: TLSSettings) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version, ctx.maximum_version = s.min_version, s.max_version
     ctx.options |= ssl.OP_NO_COMPRESSION
+    if s.prefer_server_cipher_suites:
+        ctx.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
+    else:
+        ctx.options &= ~ssl.OP_CIPHER_SERVER_PREFERENCE
+    ctx.set_alpn_protocols(["http/1.1"])  # no h2 here: a client offering it negotiates HTTP/1.1
     try:
         if s.cert_file or s.key_file:
             if s.cert_file and s.key_file:
@@ -241,6 +276,36 @@ def build_context(s: TLSSettings) -> ssl.SSLContext:
     except (ssl.SSLError, OSError, ValueError) as e:
         raise WebConfigError(f"tls_server_config: cannot load certificate, key or client CA: {getattr(e, 'strerror', None) or e}") from None
     return ctx
+
+
+def client_san_problem(cert: dict[str, Any], allowed: tuple[str, ...]) -> str | None:
+    """None when the (verified) client certificate carries one of the ``allowed`` SANs, else why
+    not. The same comparison as exporter-toolkit's ``VerifyPeerCertificate``: DNS names, email
+    addresses, IP addresses and URIs of the certificate, each as Go writes it, against the list
+    as exact strings; other SAN kinds and the subject (CN) are not compared."""
+    found: list[str] = []
+    for kind, value in cert.get("subjectAltName", ()):
+        if kind == "IP Address":
+            value = _go_ip(value)
+        elif kind not in ("DNS", "email", "URI"):
+            continue
+        if value in allowed:
+            return None
+        found.append(value)
+    listed = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+    return f"no allowed SAN in the client certificate (it has: {listed or 'none'})"
+
+
+def _go_ip(text: str) -> str:
+    """An IP SAN as Python's ssl shows it (OpenSSL's form: IPv6 upper-case and uncompressed) in
+    Go's net.IP text form, which the toolkit compares: RFC 5952, an IPv4-mapped address as IPv4."""
+    try:
+        ip = ipaddress.ip_address(text.strip())
+    except ValueError:
+        return text.strip()
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ip)
 
 
 def _read(path: str | None) -> str:
