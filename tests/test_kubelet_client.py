@@ -28,6 +28,7 @@ from exporter.kubelet.client import (
     PodResourcesClient,
 )
 from exporter.kubelet.convert import to_snapshot
+from exporter.kubelet.decode import decode
 from exporter.kubelet.model import AllocationSource, ContainerAllocation
 
 T = TypeVar("T")
@@ -499,6 +500,7 @@ _pods = st.builds(pod, _names, _names, st.lists(_containers, max_size=3))
 def test_random_responses_convert_to_unique_rows(pods):
     wire = api_pb2.ListPodResourcesResponse(pod_resources=pods).SerializeToString()
     snap = to_snapshot(api_pb2.ListPodResourcesResponse.FromString(wire))
+    assert decode(wire) == snap  # the client's path: census, the view of the fields read, conversion
 
     # Oracle, computed independently of the converter's loop structure.
     expected = set()

@@ -30,7 +30,7 @@ import structlog
 from exporter.backoff import Backoff
 from exporter.kubelet import api_pb2
 from exporter.kubelet.convert import DeadlinePassed
-from exporter.kubelet.decode import AnswerRefused, decode
+from exporter.kubelet.decode import AnswerMalformed, AnswerRefused, decode
 from exporter.kubelet.model import PodResourcesSnapshot
 from exporter.kubelet.transport import DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE, GrpcStatus, TransportError, UnaryConnection
 
@@ -126,8 +126,10 @@ class PodResourcesClient:
                 return last[1]
             try:
                 snap = decode(data, deadline)
-            except AnswerRefused as err:  # over a bound, or undecodable (the cycle's collector logs it, once)
+            except AnswerMalformed as err:  # (the cycle's collector logs it, once)
                 raise KubeletError(self.socket_path, f"could not decode List response ({len(data)} bytes): {err}") from None
+            except AnswerRefused as err:
+                raise KubeletError(self.socket_path, f"List response ({len(data)} bytes) refused: {err}") from None
             except DeadlinePassed:
                 raise KubeletUnavailable(self.socket_path, f"List response ({len(data)} bytes) not decoded within {self.timeout:g}s") from None
             except Exception as err:  # a converter bug must not kill the sampler thread
