@@ -21,7 +21,7 @@ allocation rows            100,000     (container, device) pairs: device-plugin 
 decoded items              200,000     pods, containers, device lists, ids, claims, claim
                                        devices: ~3-10 per pod
 CPU ids                    100,000     exclusive CPUs, disjoint across containers since
-                                       kubelet 1.22 (kubernetes#97415): at most the node's
+                                       kubelet 1.23 (kubernetes#97415): at most the node's
                                        CPUs, a few hundred to ~2,000
 fields read by the census  1,000,000   ~20-70 per pod (CDI names accumulate per driver);
                                        bounds the census's own time (~0.3 s on the bench VM)
@@ -85,7 +85,7 @@ def _view_class() -> type[Message]:
     file = descriptor_pb2.FileDescriptorProto()
     api_pb2.DESCRIPTOR.CopyToProto(file)
     package = file.package
-    file.name, file.package = "exporter/kubelet/list_view.proto", package + "view"
+    file.name, file.package = "list_view.proto", package + "view"  # a name of its own pool: no file on disk
     del file.service[:]
     kept = [m for m in file.message_type if m.name in _READ]
     del file.message_type[:]
