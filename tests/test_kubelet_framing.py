@@ -748,6 +748,12 @@ def declared(size: int, payload: bytes) -> Answer:
     return answer
 
 
+def goaway_inside_a_header_block(peer: Peer, sid: int) -> None:
+    # RFC 9113 6.10: nothing may come between HEADERS and its CONTINUATION; a GOAWAY there is
+    # h2's protocol error to raise, not a shutdown to honour.
+    peer.raw(frame(HEADERS, 0, sid, b"\x88") + frame(GOAWAY, 0, 0, struct.pack(">II", 2**31 - 1, 0)) + frame(CONTINUATION, END_HEADERS, sid, b""))
+
+
 def cut_prefix(peer: Peer, sid: int) -> None:
     peer.headers(sid)
     peer.data(sid, b"\0\0\0")  # the stream ends inside the 5-byte prefix
@@ -759,6 +765,7 @@ def cut_prefix(peer: Peer, sid: int) -> None:
     [
         pytest.param(rst_stream, MAX_MESSAGE, "reset", id="rst-stream"),
         pytest.param(goaway, MAX_MESSAGE, "GOAWAY", id="goaway"),
+        pytest.param(goaway_inside_a_header_block, MAX_MESSAGE, "protocol error", id="goaway-inside-a-header-block"),
         pytest.param(hang_up_mid_answer, MAX_MESSAGE, "closed by the server", id="hang-up"),
         pytest.param(http_503, MAX_MESSAGE, "HTTP status 503", id="http-503"),
         pytest.param(declared(5000, b"x" * 5000), 1000, "larger than 1000 bytes", id="larger-than-max-sent"),
@@ -779,7 +786,7 @@ def test_a_failed_answer_is_a_transport_error(server: Server, answer: Answer, ma
     assert not info.value.timed_out
 
 
-@pytest.mark.parametrize("where", ["mid-answer", "after-the-answer-in-the-same-write"])
+@pytest.mark.parametrize("where", ["mid-answer", "after-the-answer-in-the-same-write", "mid-answer-written-byte-by-byte"])
 def test_a_graceful_goaway_lets_the_call_in_flight_finish(server: Server, where: str) -> None:
     # A server shutting down gracefully (grpc-go's GracefulStop, as the kubelet does on restart)
     # sends GOAWAY with a last stream id at or above the streams it will still answer, then
@@ -792,13 +799,14 @@ def test_a_graceful_goaway_lets_the_call_in_flight_finish(server: Server, where:
         body = grpc_body(message)
         peer.headers(sid)
         peer.data(sid, body[:10])
-        if where == "mid-answer":
-            peer.raw(frame(GOAWAY, 0, 0, struct.pack(">II", 2**31 - 1, 0)))
+        if where.startswith("mid-answer"):
+            peer.raw(frame(GOAWAY, 0, 0, struct.pack(">II", 2**31 - 1, 0) + b"graceful"))
         peer.data(sid, body[10:])
         peer.trailers(sid)
-        if where != "mid-answer":
+        if not where.startswith("mid-answer"):
             peer.raw(frame(GOAWAY, 0, 0, struct.pack(">II", sid, 0)))
-        peer.flush()
+        # byte by byte: the GOAWAY, taken out before h2 sees the bytes, arrives in pieces
+        peer.flush([1] * 2000 if where.endswith("byte-by-byte") else [])
 
     server.answer = answer
     with connect(server) as conn:
