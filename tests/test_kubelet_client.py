@@ -75,7 +75,9 @@ def kubelet(sock: str) -> Iterator[FakeKubelet]:
 
 @pytest.fixture
 def client(sock: str) -> Iterator[PodResourcesClient]:
-    with PodResourcesClient(sock, timeout=5.0) as c:
+    # Generous: one deadline covers a List's call and its decode (96,000 rows in one test), and
+    # the machine running the suite may be busy. No test here waits for it to pass.
+    with PodResourcesClient(sock, timeout=30.0) as c:
         yield c
 
 
