@@ -10,7 +10,8 @@ It prints one JSON line with its measurements.
 
 ``--mode soak`` (default): RSS after start and after N cycles run back to back, then CPU at the
 agent's own 1 s interval. ``--mode cycle``: the CPU of each of N cycles (process CPU time, all
-the agent's threads: device lanes, watchers, HTTP server), then CPU at a 1 s cadence.
+the agent's threads: device lanes, watchers, HTTP server), then CPU at a 1 s cadence, and with
+``--cpu-seconds-5s W`` at the default 5 s interval too (a window of W seconds).
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(p / 100.0 * (len(xs) - 1))))]
 
 
-def measure_cycles(agent, cycles: int, cpu_seconds: float) -> dict:
-    """CPU of each cycle, and CPU at a 1 s cadence, for this (the agent's) process alone."""
+def measure_cycles(agent, cycles: int, cpu_seconds: float, cpu_seconds_5s: float = 0.0) -> dict:
+    """CPU of each cycle, and CPU at a 1 s cadence (and at 5 s, the default interval, when
+    ``cpu_seconds_5s``), for this (the agent's) process alone."""
     for _ in range(10):  # warm: caches, connections, the renderer's series
         agent.run_cycle()
     cpu, wall = [], []
@@ -67,6 +69,16 @@ def measure_cycles(agent, cycles: int, cpu_seconds: float) -> dict:
     cpu_share = (time.process_time() - c0) / (time.perf_counter() - w0)
     by_thread = _thread_cpu_since(threads0)
     body = agent.server._exposition.body if agent.server and agent.server._exposition else b""
+    at_5s = {}
+    if cpu_seconds_5s:
+        threads0 = _thread_cpu()
+        c0, w0 = time.process_time(), time.perf_counter()
+        at_cadence(agent, cpu_seconds_5s, interval=5.0)
+        at_5s = {
+            "cpu_percent_5s_interval": (time.process_time() - c0) / (time.perf_counter() - w0) * 100,
+            "cpu_window_5s_s": cpu_seconds_5s,
+            "cadence_5s_threads_cpu_s": _thread_cpu_since(threads0),
+        }
     return {
         "cycles": cycles,
         "cycle_cpu_p50_ms": pct(cpu, 50) * 1e3,
@@ -79,6 +91,7 @@ def measure_cycles(agent, cycles: int, cpu_seconds: float) -> dict:
         "cadence_threads_cpu_s": by_thread,  # per native thread over the 1 s cadence window
         "series": sum(1 for line in body.split(b"\n") if line and not line.startswith(b"#")),
         "body_bytes": len(body),
+        **at_5s,
     }
 
 
@@ -112,12 +125,13 @@ def _thread_cpu_since(before: dict[str, float]) -> dict[str, float]:
     return {k: round(v - before.get(k, 0.0), 4) for k, v in now.items() if v - before.get(k, 0.0) >= 0.0001}
 
 
-def at_cadence(agent, seconds: float) -> None:
-    """Run cycles at a fixed 1 s rate for ``seconds``, as the agent's own sampler does."""
+def at_cadence(agent, seconds: float, interval: float = 1.0) -> None:
+    """Run cycles at a fixed rate (every ``interval`` s) for ``seconds``, as the agent's own
+    sampler does."""
     w0, next_at = time.perf_counter(), time.monotonic()
     while time.perf_counter() - w0 < seconds:
         agent.run_cycle()
-        next_at += 1.0
+        next_at += interval
         time.sleep(max(0.0, next_at - time.monotonic()))
 
 
@@ -146,6 +160,7 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=10000)
     ap.add_argument("--cpu-seconds", type=float, default=30.0)
     ap.add_argument("--mode", choices=("soak", "cycle"), default="soak")
+    ap.add_argument("--cpu-seconds-5s", type=float, default=0.0, help="cycle mode: also CPU at a 5 s cadence (the default interval), over this window")
     ap.add_argument("--profile", type=Path, help="cycle mode: profile the measured cycles (all threads, yappi) into this file")
     ap.add_argument("--idle-seconds", type=float, default=0.0, help="cycle mode: also report process CPU per thread while no cycle runs")
     ap.add_argument("--claims-ttl", type=float, default=None, help="diagnosis: override the ResourceClaim cache's TTL (re-fetch cost)")
@@ -209,7 +224,7 @@ def main() -> None:
                 at_cadence(agent, 10.0)
                 yappi.stop()
                 a.profile.write_text(text + "\n\n10 s at a 1 s cadence\n" + report(40))
-            out = measure_cycles(agent, a.cycles, a.cpu_seconds)
+            out = measure_cycles(agent, a.cycles, a.cpu_seconds, a.cpu_seconds_5s)
             if a.idle_seconds:
                 out["idle"] = idle_threads(a.idle_seconds)
             out.update(

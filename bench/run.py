@@ -179,7 +179,7 @@ def bench_scrape(requests: int = 2000) -> None:
 # --------------------------------------------------------------------------- cycle
 
 
-def _agent_process(sc: dict, mode: str, cycles: int, cpu_seconds: float) -> dict:
+def _agent_process(sc: dict, mode: str, cycles: int, cpu_seconds: float, cpu_seconds_5s: float = 0.0) -> dict:
     """Run bench/agent_process.py (the agent alone) against a kubelet and API emulation hosted
     here; its one JSON line of measurements."""
     import subprocess
@@ -193,6 +193,8 @@ def _agent_process(sc: dict, mode: str, cycles: int, cpu_seconds: float) -> dict
     try:
         cmd = [sys.executable, str(ROOT / "bench" / "agent_process.py"), "--mode", mode, "--scenario", str(workdir / "scenario.json"), "--socket", cluster.socket,
                "--kubeconfig", str(cluster.kubeconfig), "--cycles", str(cycles), "--cpu-seconds", str(cpu_seconds)]
+        if cpu_seconds_5s:
+            cmd += ["--cpu-seconds-5s", str(cpu_seconds_5s)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
         if done.returncode != 0:
             raise SystemExit(f"agent process failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -208,27 +210,31 @@ def eight_gpus() -> dict:
     return sc
 
 
-def bench_cycle(cycles: int = 200, cpu_seconds: float = 20.0, scales: tuple[int, ...] = (1, 2, 4)) -> None:
+def bench_cycle(cycles: int = 200, cpu_seconds: float = 20.0, scales: tuple[int, ...] = (1, 2, 4), cpu_seconds_5s: float = 60.0) -> None:
     """Cycle CPU of the agent alone, in its own process (bench/agent_process.py --mode cycle):
     the kubelet and API emulations it talks to run here, in the parent, and their cost is not
-    counted. 8 GPUs, and the dense node at 1x, 2x, 4x (64 devices / 256 pods / 512 claims each)."""
+    counted. 8 GPUs, and the dense node at 1x, 2x, 4x (64 devices / 256 pods / 512 claims each).
+    The 8-GPU node also at the default 5 s interval, over ``cpu_seconds_5s`` (PRODUCT's target
+    for it is stated there)."""
     rows = []
     cases = [("8 GPUs, 32 pods, 32 claims", 8, eight_gpus())] + [
         (f"dense {k}x: {64 * k} devices, {256 * k} pods, {512 * k} claims", 64 * k, big_scenario(pods=256 * k, claims=512 * k, scale=k)) for k in scales
     ]
     for label, devices, sc in cases:
-        r = _agent_process(sc, "cycle", cycles, cpu_seconds)
+        r = _agent_process(sc, "cycle", cycles, cpu_seconds, cpu_seconds_5s if devices == 8 else 0.0)
         # allocatable devices (full GPUs and MIG instances); the agent also enumerates MIG parents
         r["enumerated"], r["devices"], r["case"] = r["devices"], devices, label
         rows.append(r)
     dense = rows[1]  # the top-level keys: the dense node at 1x
-    RESULTS["cycle"] = {"devices": dense["devices"], "cycle_p99_ms": dense["cycle_wall_p99_ms"], "cycle_cpu_p50_ms": dense["cycle_cpu_p50_ms"], "rows": rows}
-    print("\ncycle, agent alone in its own process (process CPU time of all its threads per cycle; CPU % at a 1 s cadence):")
-    print("| node | series | cycle CPU p50 | cycle CPU p99 | CPU at 1 s | gzip per scraped cycle | first /metrics after exec | first /readyz |")
-    print("|---|---|---|---|---|---|---|---|")
+    RESULTS["cycle"] = {"devices": dense["devices"], "cycle_p99_ms": dense["cycle_wall_p99_ms"], "cycle_cpu_p50_ms": dense["cycle_cpu_p50_ms"],
+                        "eight_gpus_cpu_percent_1s": rows[0]["cpu_percent_1s_interval"], "eight_gpus_cpu_percent_5s": rows[0].get("cpu_percent_5s_interval"), "rows": rows}
+    print("\ncycle, agent alone in its own process (process CPU time of all its threads per cycle; CPU % at a 1 s cadence, and at the default 5 s):")
+    print("| node | series | cycle CPU p50 | cycle CPU p99 | CPU at 1 s | CPU at 5 s | gzip per scraped cycle | first /metrics after exec | first /readyz |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        at_5s = f"{r['cpu_percent_5s_interval']:.3f} %" if "cpu_percent_5s_interval" in r else "—"
         print(
-            f"| {r['case']} | {r['series']} | {r['cycle_cpu_p50_ms']:.1f} ms | {r['cycle_cpu_p99_ms']:.1f} ms | {r['cpu_percent_1s_interval']:.2f} % "
+            f"| {r['case']} | {r['series']} | {r['cycle_cpu_p50_ms']:.1f} ms | {r['cycle_cpu_p99_ms']:.1f} ms | {r['cpu_percent_1s_interval']:.2f} % | {at_5s} "
             f"| {r['gzip_openmetrics_ms']:.1f} ms | {r['first_metrics_since_exec_s']:.2f} s | {r['first_readyz'].splitlines()[0]} |"
         )
 
@@ -453,7 +459,7 @@ def main() -> None:
     fns = {
         "scrape": lambda: bench_scrape(a.requests),
         "scrape-attack": lambda: __import__("scrape_attack").bench(Node, big_scenario(), pct, RESULTS, a.requests, *((200, 20, 2, 2) if a.quick else ())),
-        "cycle": lambda: bench_cycle(10 if a.quick else 200, 2.0 if a.quick else 20.0, (1,) if a.quick else (1, 2, 4)),
+        "cycle": lambda: bench_cycle(10 if a.quick else 200, 2.0 if a.quick else 20.0, (1,) if a.quick else (1, 2, 4), 5.0 if a.quick else 60.0),
         "gzip": lambda: bench_gzip(3 if a.quick else 30),
         "nvml": lambda: bench_nvml(*((10, 1) if a.quick else ())),
         "xid": lambda: bench_xid(4 if a.quick else 200),

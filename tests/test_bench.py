@@ -28,6 +28,8 @@ def test_quick_benchmark_run_reports_every_measurement(tmp_path: Path) -> None:
     # the cycle is measured in the agent's own process: 8 GPUs, then the dense node
     assert [row["devices"] for row in r["cycle"]["rows"]] == [8, 64]
     assert all(row["cycle_cpu_p99_ms"] > 0 and row["series"] > 0 for row in r["cycle"]["rows"])
+    # the 8-GPU node at 1 s and at the default 5 s interval (PRODUCT's targets)
+    assert r["cycle"]["eight_gpus_cpu_percent_1s"] > 0 and r["cycle"]["eight_gpus_cpu_percent_5s"] > 0
     assert [row["level"] for row in r["gzip"]["rows"]] == [1, 3, 5, 6, 9]
     # the raw baseline makes exactly the library calls one backend read makes
     assert r["nvml"]["calls_per_read"]["nvmlDeviceGetFieldValues"] == 1.0

@@ -28,6 +28,7 @@ from exporter.kubelet.client import (
     PodResourcesClient,
 )
 from exporter.kubelet.convert import to_snapshot
+from exporter.kubelet.decode import decode
 from exporter.kubelet.model import AllocationSource, ContainerAllocation
 
 T = TypeVar("T")
@@ -74,7 +75,9 @@ def kubelet(sock: str) -> Iterator[FakeKubelet]:
 
 @pytest.fixture
 def client(sock: str) -> Iterator[PodResourcesClient]:
-    with PodResourcesClient(sock, timeout=5.0) as c:
+    # Generous: one deadline covers a List's call and its decode (96,000 rows in one test), and
+    # the machine running the suite may be busy. No test here waits for it to pass.
+    with PodResourcesClient(sock, timeout=30.0) as c:
         yield c
 
 
@@ -499,6 +502,7 @@ _pods = st.builds(pod, _names, _names, st.lists(_containers, max_size=3))
 def test_random_responses_convert_to_unique_rows(pods):
     wire = api_pb2.ListPodResourcesResponse(pod_resources=pods).SerializeToString()
     snap = to_snapshot(api_pb2.ListPodResourcesResponse.FromString(wire))
+    assert decode(wire) == snap  # the client's path: census, the view of the fields read, conversion
 
     # Oracle, computed independently of the converter's loop structure.
     expected = set()

@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from exporter.kubelet import api_pb2
-from exporter.kubelet.client import PodResourcesClient
+from exporter.kubelet.client import KubeletError, KubeletUnavailable, PodResourcesClient
 from exporter.kubelet.transport import GrpcStatus, TransportError, UnaryConnection
 
 # Generous: a call that must succeed gets this long, and a server waiting on the client gives up
@@ -748,6 +748,12 @@ def declared(size: int, payload: bytes) -> Answer:
     return answer
 
 
+def goaway_inside_a_header_block(peer: Peer, sid: int) -> None:
+    # RFC 9113 6.10: nothing may come between HEADERS and its CONTINUATION; a GOAWAY there is
+    # h2's protocol error to raise, not a shutdown to honour.
+    peer.raw(frame(HEADERS, 0, sid, b"\x88") + frame(GOAWAY, 0, 0, struct.pack(">II", 2**31 - 1, 0)) + frame(CONTINUATION, END_HEADERS, sid, b""))
+
+
 def cut_prefix(peer: Peer, sid: int) -> None:
     peer.headers(sid)
     peer.data(sid, b"\0\0\0")  # the stream ends inside the 5-byte prefix
@@ -759,6 +765,7 @@ def cut_prefix(peer: Peer, sid: int) -> None:
     [
         pytest.param(rst_stream, MAX_MESSAGE, "reset", id="rst-stream"),
         pytest.param(goaway, MAX_MESSAGE, "GOAWAY", id="goaway"),
+        pytest.param(goaway_inside_a_header_block, MAX_MESSAGE, "protocol error", id="goaway-inside-a-header-block"),
         pytest.param(hang_up_mid_answer, MAX_MESSAGE, "closed by the server", id="hang-up"),
         pytest.param(http_503, MAX_MESSAGE, "HTTP status 503", id="http-503"),
         pytest.param(declared(5000, b"x" * 5000), 1000, "larger than 1000 bytes", id="larger-than-max-sent"),
@@ -779,7 +786,7 @@ def test_a_failed_answer_is_a_transport_error(server: Server, answer: Answer, ma
     assert not info.value.timed_out
 
 
-@pytest.mark.parametrize("where", ["mid-answer", "after-the-answer-in-the-same-write"])
+@pytest.mark.parametrize("where", ["mid-answer", "after-the-answer-in-the-same-write", "mid-answer-written-byte-by-byte"])
 def test_a_graceful_goaway_lets_the_call_in_flight_finish(server: Server, where: str) -> None:
     # A server shutting down gracefully (grpc-go's GracefulStop, as the kubelet does on restart)
     # sends GOAWAY with a last stream id at or above the streams it will still answer, then
@@ -792,13 +799,14 @@ def test_a_graceful_goaway_lets_the_call_in_flight_finish(server: Server, where:
         body = grpc_body(message)
         peer.headers(sid)
         peer.data(sid, body[:10])
-        if where == "mid-answer":
-            peer.raw(frame(GOAWAY, 0, 0, struct.pack(">II", 2**31 - 1, 0)))
+        if where.startswith("mid-answer"):
+            peer.raw(frame(GOAWAY, 0, 0, struct.pack(">II", 2**31 - 1, 0) + b"graceful"))
         peer.data(sid, body[10:])
         peer.trailers(sid)
-        if where != "mid-answer":
+        if not where.startswith("mid-answer"):
             peer.raw(frame(GOAWAY, 0, 0, struct.pack(">II", sid, 0)))
-        peer.flush()
+        # byte by byte: the GOAWAY, taken out before h2 sees the bytes, arrives in pieces
+        peer.flush([1] * 2000 if where.endswith("byte-by-byte") else [])
 
     server.answer = answer
     with connect(server) as conn:
@@ -836,7 +844,7 @@ def test_a_reset_after_a_complete_answer_changes_nothing(server: Server, status:
 
 def test_a_header_block_that_never_ends_is_refused_before_it_fills_memory(server: Server) -> None:
     # HEADERS without END_HEADERS, then CONTINUATION frames without end: refused once the block
-    # passes the transport's cap (256 KiB), long before the deadline; the server then hangs on.
+    # passes h2's cap (64 CONTINUATION frames), long before the deadline; the server then hangs on.
     def answer(peer: Peer, sid: int) -> None:
         peer.raw(frame(HEADERS, 0, sid, b"\x88"))  # :status 200, and more to come
         for _ in range(64):  # 1 MiB
@@ -844,7 +852,7 @@ def test_a_header_block_that_never_ends_is_refused_before_it_fills_memory(server
         peer.flush()
 
     server.answer = answer
-    with connect(server) as conn, pytest.raises(TransportError, match="header block larger than") as info:
+    with connect(server) as conn, pytest.raises(TransportError, match=r"(?i)too many continuation frames") as info:
         conn.call(PATH, REQUEST, 60)  # without the cap: "no answer within 60s"
     assert not info.value.timed_out
 
@@ -868,7 +876,96 @@ def test_the_kubelet_client_moves_to_a_new_connection_after_a_graceful_goaway(se
     assert [len(p.requests) for p in server.peers] == [1, 1]
 
 
-# --- 12. any legal framing of an answer
+# --- 12. hostile peers: frame floods, a status no integer parser should be handed
+
+# Each flood frame for the call's stream ``sid``; sent 200,000 times after the response's
+# HEADERS (CONTINUATION: after HEADERS without END_HEADERS), then the server waits.
+FLOODS: dict[str, Callable[[int], bytes]] = {
+    "empty-data": lambda sid: frame(DATA, 0, sid, b""),
+    "one-byte-data": lambda sid: frame(DATA, 0, sid, b"x"),
+    "padding-only-data": lambda sid: frame(DATA, PADDED, sid, b"\x00"),
+    "ping-ack": lambda sid: frame(PING, 1, 0, bytes(8)),
+    "ping": lambda sid: frame(PING, 0, 0, bytes(8)),
+    "settings": lambda sid: frame(SETTINGS, 0, 0, b""),
+    "settings-ack": lambda sid: frame(SETTINGS, 1, 0, b""),
+    "window-update": lambda sid: frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1)),
+    "priority": lambda sid: frame(PRIORITY, 0, sid, struct.pack(">IB", 0, 15)),
+    "unknown": lambda sid: frame(0xFA, 0, 0, b""),
+    "empty-continuation": lambda sid: frame(CONTINUATION, 0, sid, b""),
+}
+
+
+def flood(kind: str, count: int = 200_000) -> Answer:
+    def answer(peer: Peer, sid: int) -> None:
+        if kind == "empty-continuation":
+            peer.raw(frame(HEADERS, 0, sid, b"\x88"))  # :status 200, and more to come
+        else:
+            peer.headers(sid)
+            if kind.endswith("data"):
+                peer.raw(frame(DATA, 0, sid, grpc_body(bytes(1000))[:5]))  # a prefix that promises 1,000 bytes
+        peer.raw(FLOODS[kind](sid) * count)
+        peer.flush()  # the client hangs up mid-write once it has had enough: the script ends here
+
+    return answer
+
+
+@pytest.mark.parametrize("kind", sorted(FLOODS))
+def test_a_flood_of_frames_that_bring_no_answer_ends_the_call_early(server: Server, kind: str) -> None:
+    # The deadline is long: the call must end on the count of frames, not spin through the
+    # flood and then wait (without the cap: "no answer within 30s"). h2 would cut a header
+    # block at 64 CONTINUATION frames, but the count sees the whole chunk first.
+    server.answer = flood(kind)
+    with connect(server) as conn, pytest.raises(TransportError, match="more than 1000 frames that carry little or no answer") as info:
+        conn.call(PATH, REQUEST, 30)
+    assert not info.value.timed_out
+
+
+def test_after_a_flood_the_kubelet_client_answers_from_a_new_connection(server: Server) -> None:
+    flooding = flood("ping-ack")
+    listed = api_pb2.ListPodResourcesResponse(pod_resources=[api_pb2.PodResources(name="p", namespace="ns")]).SerializeToString()
+
+    def answer(peer: Peer, sid: int) -> None:
+        if peer is server.peers[0]:
+            flooding(peer, sid)
+        else:
+            answer_with(listed)(peer, sid)
+
+    server.answer = answer
+    with PodResourcesClient(server.path, timeout=30) as client:
+        with pytest.raises(KubeletUnavailable, match="frame flood"):
+            client.list()
+        assert client.list().pods == (("ns", "p"),)
+    assert len(server.peers) == 2
+
+
+@pytest.mark.parametrize(
+    "status",
+    [pytest.param(b"1" * 5000, id="5000-digits"), pytest.param(b"0" * 11, id="11-zeros"), pytest.param(b"ok", id="not-a-number"), pytest.param(b"-1", id="negative")],
+)
+def test_a_malformed_grpc_status_is_internal_and_a_kubelet_error(server: Server, status: bytes) -> None:
+    # int() of more than 4,300 digits raises ValueError (Python's limit on int/str conversion):
+    # it escaped list(). grpc-go's client calls a malformed status INTERNAL; so do we.
+    def answer(peer: Peer, sid: int) -> None:
+        if len(peer.requests) % 2:
+            peer.headers(sid, [*OK_HEADERS, (b"grpc-status", status)], end_stream=True)
+        else:
+            answer_with(api_pb2.ListPodResourcesResponse().SerializeToString())(peer, sid)
+        peer.flush()
+
+    server.answer = answer
+    with connect(server) as conn:
+        with pytest.raises(GrpcStatus, match="malformed grpc-status") as status_info:
+            call(conn)
+        assert status_info.value.name == "INTERNAL"
+        call(conn)  # the connection is still good
+    with PodResourcesClient(server.path, timeout=TIMEOUT) as client:
+        with pytest.raises(KubeletError, match="INTERNAL: malformed grpc-status") as info:
+            client.list()
+        assert type(info.value) is KubeletError
+        assert client.list().pods == ()
+
+
+# --- 13. any legal framing of an answer
 
 
 @dataclass

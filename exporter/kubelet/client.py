@@ -11,7 +11,9 @@ sampler down, and it protects the kubelet from being hammered:
   may close an idle connection);
 - after RESOURCE_EXHAUSTED (the kubelet's token bucket, 100 qps / burst 10, shared by all
   podresources clients on the node) it backs off exponentially with jitter, 0.1 s to 5 s, and
-  during the backoff `list()` fails fast without touching the socket.
+  during the backoff `list()` fails fast without touching the socket;
+- one deadline (`timeout`) covers the whole of `list()`: connecting, the call, its one retry,
+  and decoding and converting the answer, which are bounded too (:mod:`exporter.kubelet.decode`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import structlog
 
 from exporter.backoff import Backoff
 from exporter.kubelet import api_pb2
-from exporter.kubelet.convert import to_snapshot
+from exporter.kubelet.convert import DeadlinePassed
+from exporter.kubelet.decode import AnswerMalformed, AnswerRefused, decode
 from exporter.kubelet.model import PodResourcesSnapshot
 from exporter.kubelet.transport import DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE, GrpcStatus, TransportError, UnaryConnection
 
@@ -98,7 +101,7 @@ class PodResourcesClient:
         self._backoff = Backoff(BACKOFF_MIN_S, BACKOFF_MAX_S, rng=self._rng.random, min_delay=BACKOFF_MIN_S)
         self._backoff_until = 0.0
         self._last_skipped = 0
-        self._last: tuple[bytes, PodResourcesSnapshot] | None = None  # the last List answer's bytes and its conversion
+        self._last: tuple[bytearray, PodResourcesSnapshot] | None = None  # the last List answer's bytes and its conversion
 
     # -- public -------------------------------------------------------------------------
 
@@ -110,7 +113,9 @@ class PodResourcesClient:
                 raise KubeletRateLimited(
                     self.socket_path, "backing off after rate limit", self._backoff_until - now
                 )
-            data = self._call()
+            # A deadline of its own, not self._clock: that one drives the backoff (tests fake it).
+            deadline = time.monotonic() + self.timeout
+            data = self._call(deadline)
             self._backoff.reset()
             self._backoff_until = 0.0
             last = self._last
@@ -120,11 +125,13 @@ class PodResourcesClient:
                 # unchanged snapshot lets the join keep its structure (JoinMemo).
                 return last[1]
             try:
-                resp = api_pb2.ListPodResourcesResponse.FromString(data)
-            except Exception as err:  # protobuf's DecodeError (the cycle's collector logs it, once)
+                snap = decode(data, deadline)
+            except AnswerMalformed as err:  # (the cycle's collector logs it, once)
                 raise KubeletError(self.socket_path, f"could not decode List response ({len(data)} bytes): {err}") from None
-            try:
-                snap = to_snapshot(resp)
+            except AnswerRefused as err:
+                raise KubeletError(self.socket_path, f"List response ({len(data)} bytes) refused: {err}") from None
+            except DeadlinePassed:
+                raise KubeletUnavailable(self.socket_path, f"List response ({len(data)} bytes) not decoded within {self.timeout:g}s") from None
             except Exception as err:  # a converter bug must not kill the sampler thread
                 log.exception("kubelet_response_unreadable", socket=self.socket_path)
                 raise KubeletError(
@@ -155,14 +162,14 @@ class PodResourcesClient:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _call(self) -> bytes:
-        """The List answer's bytes, on the kept connection or a new one."""
+    def _call(self, deadline: float) -> bytearray:
+        """The List answer's bytes, on the kept connection or a new one, by ``deadline``."""
         for attempt in (1, 2):
             reused = False
             try:
-                conn = self._ensure_connection()  # connecting can fail like a call (TransportError)
+                conn = self._ensure_connection(deadline)  # connecting can fail like a call (TransportError)
                 reused = self._conn_used
-                data = conn.call(LIST_METHOD, _LIST_REQUEST, self.timeout)
+                data = conn.call(LIST_METHOD, _LIST_REQUEST, self._left(deadline))
             except GrpcStatus as err:
                 self._conn_used = True
                 raise self._translate(err) from None
@@ -177,7 +184,13 @@ class PodResourcesClient:
             return data
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _ensure_connection(self) -> UnaryConnection:
+    def _left(self, deadline: float) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransportError(f"no answer within {self.timeout:g}s", timed_out=True)
+        return left
+
+    def _ensure_connection(self, deadline: float) -> UnaryConnection:
         path = self.socket_path
         if len(os.fsencode(os.path.abspath(path))) > _MAX_UNIX_PATH:
             raise KubeletError(path, f"socket path longer than {_MAX_UNIX_PATH} bytes")
@@ -200,7 +213,7 @@ class PodResourcesClient:
             log.info("kubelet_socket_replaced", socket=path)
             self._drop()
         if self._conn is None:
-            self._conn = UnaryConnection(path, self.timeout, MAX_RECEIVE_MESSAGE_LENGTH)
+            self._conn = UnaryConnection(path, self._left(deadline), MAX_RECEIVE_MESSAGE_LENGTH)
             self._conn_file = file_id
             self._conn_used = False
         return self._conn

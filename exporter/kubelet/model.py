@@ -18,7 +18,7 @@ class AllocationSource(str, enum.Enum):
     DEVICE_PLUGIN = "device-plugin"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a node's answer may hold tens of thousands of rows
 class ContainerAllocation:
     namespace: str
     pod: str
