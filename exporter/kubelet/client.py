@@ -28,6 +28,7 @@ from collections.abc import Callable
 import structlog
 
 from exporter.backoff import Backoff
+from exporter.constants import KUBELET_SOCKET
 from exporter.kubelet import api_pb2
 from exporter.kubelet.convert import DeadlinePassed
 from exporter.kubelet.decode import AnswerMalformed, AnswerRefused, decode
@@ -36,7 +37,6 @@ from exporter.kubelet.transport import DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UN
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 # Kubernetes' own PodResources clients use 16 MiB; grpc's default of 4 MiB is too small for
 # nodes with many pods, and the kubelet itself sets no send limit.
 MAX_RECEIVE_MESSAGE_LENGTH = 16 * 1024 * 1024
@@ -83,7 +83,7 @@ class PodResourcesClient:
 
     def __init__(
         self,
-        socket_path: str = DEFAULT_SOCKET,
+        socket_path: str = KUBELET_SOCKET,
         timeout: float = 5.0,
         *,
         clock: Callable[[], float] = time.monotonic,
