@@ -1,8 +1,9 @@
 """What the hand-written renderer saves over prometheus_client's ``generate_latest``.
 
-    python bench/render_cost.py [--cycles 60] [--intervals 1 5]
+    python bench/render_cost.py [--cycles 60] [--intervals 1 5] [--node dense|8gpu]
 
-The dense node (64 devices, 256 pods, 512 claims: bench/run.py's ``big_scenario``), the real
+The dense node (64 devices, 256 pods, 512 claims: bench/run.py's ``big_scenario``; or its
+8-GPU node, 32 pods and 32 claims), the real
 agent against the in-process kubelet and Kubernetes API, one cycle after another, simulated time
 held still and moved forward by the interval before each cycle (so as many values move between
 two cycles as at that interval: more at 5 s than at 1 s). After each cycle the same state is turned into an OpenMetrics body (what Prometheus asks for) two ways,
@@ -29,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from run import Node, big_scenario, pct  # noqa: E402
+from run import Node, big_scenario, eight_gpus, pct  # noqa: E402
 
 from exporter.logs import configure  # noqa: E402
 
@@ -42,12 +43,12 @@ class _Families:
         return self.fams
 
 
-def measure(cycles: int, interval: float) -> dict:
+def measure(cycles: int, interval: float, scenario: dict) -> dict:
     from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 
     from exporter.metrics.render import Renderer
 
-    node = Node(big_scenario(), interval=3600)
+    node = Node(scenario, interval=3600)
     node.start(serve=False)
     node.clock.pause()
     try:
@@ -90,13 +91,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cycles", type=int, default=60)
     ap.add_argument("--intervals", type=float, nargs="+", default=[1.0, 5.0])
+    ap.add_argument("--node", choices=["dense", "8gpu"], default="dense")
     a = ap.parse_args()
     configure("json", "error")
     for interval in a.intervals:
-        r = measure(a.cycles, interval)
+        r = measure(a.cycles, interval, big_scenario() if a.node == "dense" else eight_gpus())
+        r["node"] = a.node
         print(json.dumps(r))
         print(
-            f"dense node at {interval:g} s, {r['series']} series, OpenMetrics body per cycle (CPU p50 / p90): hand {r['hand_p50_ms']:.1f} / {r['hand_p90_ms']:.1f} ms, "
+            f"{a.node} node at {interval:g} s, {r['series']} series, OpenMetrics body per cycle (CPU p50 / p90): hand {r['hand_p50_ms']:.1f} / {r['hand_p90_ms']:.1f} ms, "
             f"generate_latest {r['library_p50_ms']:.1f} / {r['library_p90_ms']:.1f} ms; saved {r['saved_percent_core']:.2f} % of a core"
         )
 

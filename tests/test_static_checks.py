@@ -120,7 +120,7 @@ def _log_calls(trees: dict[str, ast.AST]) -> list[tuple[str, ast.Call, ast.expr 
                     # callers of this function (of its class's instances, for __call__) name the event
                     if fn.name == "__call__" and id(fn) in owner:
                         cls = owner[id(fn)]
-                        for path2, tree2 in trees.items():
+                        for tree2 in trees.values():
                             for node in ast.walk(tree2):
                                 if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and _name(node.value.func) == cls:
                                     forwarders.update({n: (params.index(event.id), event.id) for n in map(_name, node.targets) if n})
