@@ -64,7 +64,7 @@ class Reflector(Generic[T]):
     released; keep it short (e.g. wake another thread).
     """
 
-    kind = "objects"  # in log event names: k8s.<kind>.listed, ...
+    kind = "objects"  # the `kind` field of its log events (watch_listed kind=slices, ...)
 
     def __init__(
         self,
@@ -202,7 +202,7 @@ class Reflector(Generic[T]):
                 if self._stop.is_set():
                     break
                 if exc.gone:
-                    log.info(f"k8s.{self.kind}.gone", node=self.label, detail=exc.message)
+                    log.info("watch_gone", kind=self.kind, node=self.label, detail=exc.message)
                     need_list = self._gone()
                     continue
                 if exc.status == 404 and self._forced_version is None and self._discovery is not None:
@@ -214,7 +214,7 @@ class Reflector(Generic[T]):
             except Exception as exc:  # a bug must not kill the watcher; say so loudly and go on
                 if self._stop.is_set():
                     break
-                log.exception(f"k8s.{self.kind}.unexpected", node=self.label)
+                log.exception("watch_unexpected_error", kind=self.kind, node=self.label)
                 need_list = True
                 self._fail(f"unexpected {type(exc).__name__}: {exc}")
 
@@ -236,7 +236,7 @@ class Reflector(Generic[T]):
             repeated = self._last_error == message
             self._last_error = message
         # The same failure again (an outage, an oversized answer) is one line, not one per retry.
-        (log.debug if repeated else log.warning)(f"k8s.{self.kind}.error", node=self.label, error=message, retry_in=round(delay, 2))
+        (log.debug if repeated else log.warning)("watch_error", kind=self.kind, node=self.label, error=message, retry_in=round(delay, 2))
         self._sleep(delay)
 
     def _ensure_version(self) -> str | None:
@@ -245,7 +245,7 @@ class Reflector(Generic[T]):
                 self._discovery = Discovery(self._client)
             self._version = self._discovery.version_for(self.group, self.resource, self._preference)
             if self._version:
-                log.info(f"k8s.{self.kind}.version", version=self._version)
+                log.info("watch_version", kind=self.kind, version=self._version)
         return self._version
 
     def _path(self, version: str) -> str:
@@ -303,14 +303,14 @@ class Reflector(Generic[T]):
             self._recompute()
             changed = before != {n: self._rv_of(s) for n, s in items.items()} or not self._synced.is_set()
         self._synced.set()
-        log.info(f"k8s.{self.kind}.listed", node=self.label, version=version, items=len(items), rv=rv)
+        log.info("watch_listed", kind=self.kind, node=self.label, version=version, items=len(items), rv=rv)
         if changed:
             self._notify()
 
     def _parse_logged(self, obj: Any, version: str) -> T | None:
         parsed = self._parse(obj, version)
         if parsed is None:
-            log.warning(f"k8s.{self.kind}.malformed", node=self.label, name=_name_of(obj) or None)
+            log.warning("watch_malformed", kind=self.kind, node=self.label, name=_name_of(obj) or None)
         return parsed
 
     # ------------------------------------------------------------------ watch
@@ -359,7 +359,7 @@ class Reflector(Generic[T]):
             code = status.get("code")
             message = str(status.get("message") or "watch error")
             if code == 410 or status.get("reason") in ("Expired", "Gone"):
-                log.info(f"k8s.{self.kind}.gone", node=self.label, detail=message)
+                log.info("watch_gone", kind=self.kind, node=self.label, detail=message)
                 raise _RelistNeeded()
             raise ApiError(
                 status=code if isinstance(code, int) else 500,
@@ -378,13 +378,13 @@ class Reflector(Generic[T]):
         if etype not in ("ADDED", "MODIFIED", "DELETED"):
             with self._lock:
                 self._stats.malformed_skipped += 1
-            log.warning(f"k8s.{self.kind}.bad_event", node=self.label, type=str(etype), raw=str(event.get("raw", ""))[:200])
+            log.warning("watch_bad_event", kind=self.kind, node=self.label, type=str(etype), raw=str(event.get("raw", ""))[:200])
             return
         name = meta.get("name") if isinstance(meta, dict) else None
         if not isinstance(name, str) or not name:
             with self._lock:
                 self._stats.malformed_skipped += 1
-            log.warning(f"k8s.{self.kind}.malformed", node=self.label, error=f"{etype} event without metadata.name")
+            log.warning("watch_malformed", kind=self.kind, node=self.label, error=f"{etype} event without metadata.name")
             return
         parsed = None if etype == "DELETED" else self._parse_logged(obj, version)
         with self._lock:
@@ -409,7 +409,7 @@ class Reflector(Generic[T]):
         try:
             callback()
         except Exception:
-            log.exception(f"k8s.{self.kind}.on_change_failed", node=self.label)
+            log.exception("watch_on_change_failed", kind=self.kind, node=self.label)
 
 
 def _name_of(obj: Any) -> str:

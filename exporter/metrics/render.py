@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.openmetrics import exposition as om_exposition
+from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
@@ -40,6 +40,7 @@ from ..catalog import BY_NAME
 from ..devices.model import DeviceIdentity
 from ..model.snapshot import AllocationView, Snapshot
 from ..model.usage import DeviceSplit, Usage
+from . import escaping
 from .webstats import HttpStats
 
 # gzip level for /metrics, chosen by measurement on the dense node's ~600 KB body
@@ -117,7 +118,9 @@ class _RowFamily:
 
     _base: Any  # the prometheus_client family class whose add_metric we defer
 
-    def _init_rows(self) -> None:
+    def _init_rows(self, labels: Sequence[str]) -> None:
+        # The label names, kept here: the library's own copy is a private attribute.
+        self.label_names: tuple[str, ...] = tuple(labels)
         self._rows: list[Row] = []
         self._replayed = 0
         self.plain = False
@@ -168,7 +171,7 @@ class Gauge(_RowFamily, GaugeMetricFamily):
 
     def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
         GaugeMetricFamily.__init__(self, name, documentation, labels=labels)
-        self._init_rows()
+        self._init_rows(labels)
 
     def add_metric(self, labels: Sequence[str], value: float, timestamp: Any = None) -> None:
         if self.plain or timestamp is not None:
@@ -185,7 +188,7 @@ class Counter(_RowFamily, CounterMetricFamily):
 
     def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
         CounterMetricFamily.__init__(self, name, documentation, labels=labels)
-        self._init_rows()
+        self._init_rows(labels)
 
     def add_metric(self, labels: Sequence[str], value: float, created: float | None = None, timestamp: Any = None, exemplar: Any = None) -> None:
         if self.plain or created is not None or timestamp is not None or exemplar is not None:
@@ -623,20 +626,19 @@ class _One(Collector):
 
 _OM_EOF = "# EOF\n"
 # prometheus_client leaves these two unannotated; typed here once instead of at every call.
-_om_generate_latest: Callable[[Collector], bytes] = om_exposition.generate_latest
+_om_generate_latest: Callable[[Collector], bytes] = om_generate_latest
 _go_float: Callable[[float], str] = floatToGoString
-_UNDERSCORES = om_exposition.UNDERSCORES
-_ALLOWUTF8 = om_exposition.ALLOWUTF8
+_label_name, _label_value = escaping.label_name, escaping.label_value
 
 
 def _label_str(labelnames: tuple[str, ...], labels: tuple[str, ...]) -> str:
     # The same escaping and ordering as prometheus_client's two generate_latest (label values
-    # escape backslash, newline and double quote; names sorted), built from the library's own
-    # escape functions. Identical for both formats.
+    # escape backslash, newline and double quote; names sorted; exporter.metrics.escaping).
+    # Identical for both formats.
     if not labelnames or not labels:
         return ""
     items = sorted(dict(zip(labelnames, labels, strict=False)).items())
-    return "{" + ",".join(f'{om_exposition.escape_label_name(k, _UNDERSCORES)}="{om_exposition._escape(v, _ALLOWUTF8, om_exposition._is_legacy_labelname_rune)}"' for k, v in items) + "}"
+    return "{" + ",".join(f'{_label_name(k)}="{_label_value(v)}"' for k, v in items) + "}"
 
 
 class Renderer:
@@ -711,15 +713,13 @@ class Renderer:
         if h is None:
             name, mtype = fam.name, fam.type
             sample = name + "_total" if mtype == "counter" else name
-            tname = om_exposition.escape_metric_name(sample, _UNDERSCORES)
-            doc_text = fam.documentation.replace("\\", r"\\").replace("\n", r"\n")
-            text = f"# HELP {tname} {doc_text}\n# TYPE {tname} {mtype}\n"
-            oname = om_exposition.escape_metric_name(name, _UNDERSCORES)
-            doc_om = om_exposition._escape(fam.documentation, _ALLOWUTF8, om_exposition._is_legacy_labelname_rune)
-            om = f"# HELP {oname} {doc_om}\n# TYPE {oname} {mtype}\n"
+            tname = escaping.metric_name(sample)
+            text = f"# HELP {tname} {escaping.help_text(fam.documentation)}\n# TYPE {tname} {mtype}\n"
+            oname = escaping.metric_name(name)
+            om = f"# HELP {oname} {escaping.help_openmetrics(fam.documentation)}\n# TYPE {oname} {mtype}\n"
             if fam.unit:
                 om += f"# UNIT {oname} {fam.unit}\n"
-            h = self._headers[hkey] = (text, om, tname, om_exposition._escape(sample, _UNDERSCORES, om_exposition._is_legacy_labelname_rune))
+            h = self._headers[hkey] = (text, om, tname, escaping.openmetrics_sample_name(sample))
         return h
 
     def _fast(
@@ -731,7 +731,7 @@ class Renderer:
         chunks: dict[FamilyKey, Chunk],
         formatted: dict[Any, str],
     ) -> None:
-        labelnames: tuple[str, ...] = fam._labelnames
+        labelnames = fam.label_names
         key = (fam.type, fam.name, labelnames)
         text_header, om_header, tname, oname = self._header(fam, (*key, fam.documentation, fam.unit))
         text.append(text_header)
