@@ -43,7 +43,8 @@ from typing import Any
 import structlog
 
 from ..devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction
-from .model import READING_STUCK, Condition, DeviceHealth, Scope, Tier
+from .model import Condition, DeviceHealth, Scope, Tier
+from .stuck import StuckReadings
 from .xid import classify_xid, xid_scope
 
 log = structlog.get_logger(__name__)
@@ -97,11 +98,7 @@ class _DeviceState:
     sticky_instance: bool = False  # marked sticky as an instance-scoped fact (stays on the instance)
     last_reset: float | None = None
     ok_since: float | None = None  # first of the current run of successful readings
-    # reading_stuck evidence: (energy value, since when it has stood still under power), since when
-    # every profiling ratio has been exactly 0 on a busy device, and the stuck readings found
-    energy_mark: tuple[float, float] | None = None
-    profile_zero_since: float | None = None
-    stuck: dict[str, Condition] = field(default_factory=dict)  # "energy" | "profiling" -> condition
+    stuck: StuckReadings = field(default_factory=StuckReadings)  # reading_stuck evidence (stuck.py)
 
 
 Listener = Callable[[str], None]
@@ -274,10 +271,9 @@ class HealthEngine:
             elif r.error == ReadError.UNKNOWN:
                 levels["driver_error"] = (Tier.DEGRADED, r.error_detail or "driver returned an unknown error")
             # No reading, no verdict on the readings: a stuck streak starts again when they come back.
-            st.energy_mark, st.profile_zero_since = None, None
-            self._set_stuck(uuid, st, {}, now)
+            st.stuck.forget(uuid)
         else:
-            self._observe_stuck(uuid, st, r, now)
+            st.stuck.observe(uuid, r, now, self.policy.stuck_after, self.policy.stuck_busy_utilization)
             if st.last_ok is False and st.last_error in (ReadError.LOST, ReadError.GONE):
                 # A lost device answers again: only a reset, reload or re-seat brings it back.
                 # A hung or erroring call that returns later is no such evidence: it must not
@@ -331,49 +327,6 @@ class HealthEngine:
                 del st.levels[reason]
                 del st.level_clean_since[reason]
                 log.info("condition_cleared", uuid=uuid, reason=reason)
-
-    def _observe_stuck(self, uuid: str, st: _DeviceState, r: DeviceReading, now: float) -> None:
-        """reading_stuck: a counter that stops moving while the device says it is working.
-
-        Energy: the counter has not changed since a reading taken under power (> 0 W at every
-        reading since) at least ``stuck_after`` seconds ago. Profiling: every GPM/activity ratio
-        the device reports has been exactly 0 for that long while its utilization stayed at
-        ``stuck_busy_utilization`` or more (a running kernel keeps SMs active; a frozen profiling
-        stream reads 0, NVIDIA/dcgm-exporter#662). Either clears at the first reading that moves.
-        """
-        after = self.policy.stuck_after
-        if after <= 0:
-            return
-        found: dict[str, str] = {}
-        e, w = r.energy_joules, r.power_watts
-        if e is None or w is None or not w > 0:
-            st.energy_mark = None
-        elif st.energy_mark is None or st.energy_mark[0] != e:
-            st.energy_mark = (e, now)
-        elif now - st.energy_mark[1] >= after:
-            found["energy"] = f"energy counter stuck at {e:g} J for {now - st.energy_mark[1]:.0f}s while drawing {w:g} W"
-        util = r.utilization_ratio
-        ratios = [x for x in (r.sm_active_ratio, r.sm_occupancy_ratio, r.tensor_active_ratio, r.dram_active_ratio) if x is not None]
-        if util is not None and util >= self.policy.stuck_busy_utilization and ratios and not any(ratios):
-            if st.profile_zero_since is None:
-                st.profile_zero_since = now
-            elif now - st.profile_zero_since >= after:
-                found["profiling"] = f"profiling ratios at exactly 0 for {now - st.profile_zero_since:.0f}s while utilization is {util:.0%}"
-        else:
-            st.profile_zero_since = None
-        self._set_stuck(uuid, st, found, now)
-
-    def _set_stuck(self, uuid: str, st: _DeviceState, found: Mapping[str, str], now: float) -> None:
-        for reading in [k for k in st.stuck if k not in found]:
-            del st.stuck[reading]
-            log.info("reading_moving_again", uuid=uuid, reading=reading)
-        for reading, evidence in found.items():
-            old = st.stuck.get(reading)
-            if old is None:
-                log.warning("reading_stuck", uuid=uuid, reading=reading, evidence=evidence)
-                st.stuck[reading] = Condition(uuid=uuid, tier=Tier.DEGRADED, reason=READING_STUCK, since=now, last_seen=now, evidence=evidence)
-            else:
-                st.stuck[reading] = replace(old, last_seen=now, evidence=evidence)
 
     def _reset_gpu(self, uuid: str, now: float) -> None:
         """A GPU reset resets every MIG instance on it: instance-scoped conditions waiting for a
@@ -462,7 +415,7 @@ class HealthEngine:
             scope = Scope.INSTANCE if uuid in self._parents else Scope.GPU
             conds.append(Condition(uuid=uuid, tier=Tier.FATAL, reason="repeated_failures", since=first, last_seen=now, evidence=evidence, count=len(st.failures), scope=scope))
         conds.sort(key=lambda c: (-c.tier.rank, c.reason))
-        return DeviceHealth(uuid=uuid, conditions=tuple(conds), sticky=st.sticky, advisories=_advisories(st.stuck))
+        return DeviceHealth(uuid=uuid, conditions=tuple(conds), sticky=st.sticky, advisories=st.stuck.advisories())
 
     def counters(self) -> tuple[dict[tuple[str, int], int], dict[tuple[str, str], int]]:
         """Copies of the XID and read-error counters, taken under the lock (the event thread
@@ -548,18 +501,6 @@ class HealthEngine:
                     st.failures.clear()
                     log.info("sticky_cleared", uuid=u)
         self._notify(uuids)
-
-
-def _advisories(stuck: Mapping[str, Condition]) -> tuple[Condition, ...]:
-    """One reading_stuck condition per device (one gpu_health_condition series), naming every
-    reading that is stuck, since the first of them."""
-    if not stuck:
-        return ()
-    conds = [stuck[k] for k in sorted(stuck)]
-    if len(conds) == 1:
-        return (conds[0],)
-    first = min(conds, key=lambda c: c.since)
-    return (replace(first, last_seen=max(c.last_seen for c in conds), evidence="; ".join(c.evidence for c in conds)),)
 
 
 # Conditions that come from polled state (see _observe_reading), as opposed to events.
