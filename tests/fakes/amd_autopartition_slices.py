@@ -1,7 +1,7 @@
 """ResourceSlices as ROCm/k8s-gpu-dra-driver v1.x publishes them with its AutoPartition feature
 gate on: virtual partition devices, and the driver's own NoExecute taints on them.
 
-Read from the driver's source and documentation (``docs/driver-attributes.md``, "Auto-partition
+Read from the driver's source and documentation (its driver attributes document, "Auto-partition
 mode"; ``pkg/consts`` ``ValidPartitionConfigs`` and ``MemoryPartitionTaintKey``; the
 ``SyntheticPartitionDevice.GetDevice`` and ``PartitionState.applyMemoryTaints`` code;
 https://github.com/ROCm/k8s-gpu-dra-driver):
