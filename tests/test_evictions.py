@@ -381,6 +381,19 @@ def test_a_pod_gone_from_the_api_is_not_told_and_lookups_are_bounded_per_pass():
     assert len(events.pods()) == 40
 
 
+def test_a_surprise_about_one_pod_costs_neither_the_count_nor_the_other_pods():
+    w, lookup, events = watch()
+    lookup.pods[("ml", "a")] = RuntimeError("a bug in a lookup")
+    w.run([rule()], [held("a"), held("b")], T0)
+    w.run([rule()], [held("a"), held("b")], T0 + 60)
+    assert counts(w) == {"gpu-1": 2} and events.pods() == ["ml/b"]
+    del lookup.pods[("ml", "a")]
+    w.run([rule()], [held("a"), held("b")], T0 + 70)
+    assert events.pods() == ["ml/b"]  # retried after RETRY, not at once
+    w.run([rule()], [held("a"), held("b")], T0 + 90)
+    assert events.pods() == ["ml/b", "ml/a"]
+
+
 def test_without_api_access_it_still_tells():
     events = Events()
     w = EvictionWatch(None, events, lambda name: {"kind": "DeviceTaintRule", "name": name})

@@ -105,7 +105,11 @@ class EvictionWatch:
                 h = ep.holders.setdefault(pk, _Holder(claim=claim, since=now, due=now + self.grace))
                 if not h.done and now >= h.due and lookups > 0:
                     lookups -= 1
-                    self._look(rule, ep, pk, h, now)
+                    try:
+                        self._look(rule, ep, pk, h, now)
+                    except Exception:  # a bug or a surprise about one pod must not cost the pass (or the count)
+                        log.exception("eviction_check_crashed", namespace=pk[0], pod=pk[1], retry_in=RETRY)
+                        h.due = now + RETRY
             views.append(PendingEvictionView(rule.name, rule.driver, rule.pool, rule.device, len(current)))
         self.pending = tuple(views)
 
