@@ -8,7 +8,10 @@ the device backend is simulated.
 
 To make the story complete, the demo also plays the part of kube-controller-manager's device
 taint eviction controller: a pod whose claim sits on a NoExecute-tainted device is deleted, and
-it comes back (as a Deployment's replacement would) once the taint is gone.
+it comes back (as a Deployment's replacement would) once the taint is gone. Like the real one in
+1.37, it evicts only for the claims in a pod's ``spec.resourceClaims``: a pod whose device came
+through a DRA extended-resource claim (KEP-5004) stays (kubernetes/kubernetes#141290), and the
+agent tells of it (``dra_taint_pods_pending_eviction``, a Warning Event on the pod).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class DemoCluster(SimulatedNode):
         super().__init__(scenario, clock, bookmark_interval=5.0, request_log_size=1000, workdir=workdir)
         self.sc = scenario
         self.evicted: dict[tuple[str, str], float] = {}
+        self.stayed: set[tuple[str, str]] = set()  # extended-resource pods on a NoExecute device
         self._live: list[PodSpec] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -98,6 +102,15 @@ class DemoCluster(SimulatedNode):
                 for ref in c.devices
             }
             key = (p.namespace, p.name)
+            # The controller reads only spec.resourceClaims: the generated extended-resource
+            # claim's devices never evict their pod (kubernetes/kubernetes#141290).
+            kept = {objects.device_name(self.sc, ref) for ct in p.containers for _res, ref in ct.extended} & tainted
+            if kept and key not in self.stayed and not devices & tainted:
+                self.stayed.add(key)
+                print(f"[sim {_mmss(t)}] pod {p.namespace}/{p.name} stays on {', '.join(sorted(kept))}, tainted NoExecute: "
+                      "its device came through an extended-resource claim, which NoExecute does not evict", flush=True)
+            elif not kept:
+                self.stayed.discard(key)
             if devices & tainted:
                 if key not in self.evicted:
                     self.evicted[key] = t

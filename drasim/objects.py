@@ -1,9 +1,19 @@
 """A scenario as the cluster would publish it: Node, ResourceSlice, ResourceClaims, Pods, and
 the kubelet's PodResources view. Shapes follow resource.k8s.io/v1 and the NVIDIA DRA driver
-(device names gpu-<minor> and gpu-<minor>-mig-<profile>-<giProfileId>-<start>; pool = node)."""
+(device names gpu-<minor> and gpu-<minor>-mig-<profile>-<giProfileId>-<start>; pool = node).
+
+A pod with DRA-backed extended resources (KEP-5004, GA in 1.37) looks as a 1.37 cluster shows
+it: the container asks for ``nvidia.com/gpu`` in its resources; the scheduler's generated claim
+``<pod>-extended-resources-<5 characters>`` (annotated ``resource.kubernetes.io/extended-resource-claim``,
+owned by the pod, one request ``container-<i>-request-<j>`` per container and resource) holds the
+devices; the pod's ``status.extendedResourceClaimStatus`` maps each container's resource to its
+request; and the kubelet reports the generated claim among the container's dynamic resources
+(``GetContainerClaimInfos`` adds it for every container its request mappings name).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import uuid as uuidlib
 from typing import Any
 
@@ -17,6 +27,48 @@ _NS = uuidlib.UUID("0e4d7f6a-9a51-4bfa-8d2e-3c5b9e0f1a22")
 
 def pod_uid(p: PodSpec) -> str:
     return str(uuidlib.uuid5(_NS, f"{p.namespace}/{p.name}"))
+
+
+# what the API server's name generator appends to a generateName (k8s.io/apiserver/pkg/storage/names)
+_GENERATED_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
+_MAX_GENERATE_BASE = 58  # 63 - 5: longer bases are cut, as the generator does
+
+
+def extended_claim_name(p: PodSpec) -> str:
+    """The name of the claim the scheduler generates for a pod's extended resources:
+    generateName ``<pod>-extended-resources-`` (cut to 58 characters) plus five characters,
+    stable per pod here (the real ones are random)."""
+    base = f"{p.name}-extended-resources-"[:_MAX_GENERATE_BASE]
+    digest = hashlib.sha256(f"{p.namespace}/{p.name}".encode()).digest()
+    return base + "".join(_GENERATED_ALPHABET[b % len(_GENERATED_ALPHABET)] for b in digest[:5])
+
+
+def _ordered_containers(p: PodSpec) -> list[ContainerSpec]:
+    """The pod's containers in the API's order: init containers (the sidecars), then the others.
+    A container's index here is the ``container-<i>`` of its extended-resource requests."""
+    return [ct for ct in p.containers if ct.restartable_init] + [ct for ct in p.containers if not ct.restartable_init]
+
+
+def _container_resources(ct: ContainerSpec) -> dict[str, str]:
+    limits: dict[str, str] = {}
+    for res, _ in (*ct.device_plugin, *ct.extended):
+        limits[res] = str(int(limits.get(res, "0")) + 1)
+    return limits
+
+
+def _extended_requests(p: PodSpec) -> list[tuple[ContainerSpec, str, str, list[str]]]:
+    """(container, resource, request name, device refs) of the pod's extended resources. The
+    request is ``container-<index>-request-<index of the resource among the container's sorted
+    resource names>``, as kube-scheduler names it."""
+    out = []
+    for i, ct in enumerate(_ordered_containers(p)):
+        names = sorted(_container_resources(ct))
+        by_res: dict[str, list[str]] = {}
+        for res, ref in ct.extended:
+            by_res.setdefault(res, []).append(ref)
+        for res, refs in sorted(by_res.items()):
+            out.append((ct, res, f"container-{i}-request-{names.index(res)}", refs))
+    return out
 
 
 def _semver(v: str) -> str:
@@ -145,6 +197,32 @@ def resource_claims(sc: Scenario, pods: list[PodSpec]) -> list[dict[str, Any]]:
                 },
             }
         )
+    for p in pods:
+        reqs = _extended_requests(p)
+        if not reqs:
+            continue
+        out.append(
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaim",
+                "metadata": {
+                    "name": extended_claim_name(p),
+                    "namespace": p.namespace,
+                    "annotations": {"resource.kubernetes.io/extended-resource-claim": "true"},
+                    "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": p.name, "uid": pod_uid(p), "controller": True, "blockOwnerDeletion": True}],
+                },
+                "spec": {"devices": {"requests": [
+                    {"name": req, "exactly": {"deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount", "count": len(refs)}}
+                    for _ct, _res, req, refs in reqs
+                ]}},
+                "status": {
+                    "allocation": {"devices": {"results": [
+                        {"request": req, "driver": DRIVER, "pool": sc.node, "device": device_name(sc, ref)} for _ct, _res, req, refs in reqs for ref in refs
+                    ]}},
+                    "reservedFor": [{"resource": "pods", "name": p.name, "uid": pod_uid(p)}],
+                },
+            }
+        )
     return out
 
 
@@ -155,9 +233,7 @@ def pod_object(sc: Scenario, p: PodSpec) -> dict[str, Any]:
         d: dict[str, Any] = {"name": ct.name, "image": "registry.example/sim:1"}
         if ct.claims:
             d["resources"] = {"claims": [{"name": cn} for cn in ct.claims]}
-        limits: dict[str, str] = {}
-        for res, _ in ct.device_plugin:
-            limits[res] = str(int(limits.get(res, "0")) + 1)
+        limits = _container_resources(ct)
         if limits:
             d.setdefault("resources", {})["limits"] = limits
         if ct.restartable_init:
@@ -173,12 +249,19 @@ def pod_object(sc: Scenario, p: PodSpec) -> dict[str, Any]:
         spec["initContainers"] = inits
     if claims:
         spec["resourceClaims"] = [{"name": cn, "resourceClaimName": cn} for cn in claims]
+    status: dict[str, Any] = {"phase": "Running"}
+    ext = _extended_requests(p)
+    if ext:
+        status["extendedResourceClaimStatus"] = {
+            "resourceClaimName": extended_claim_name(p),
+            "requestMappings": [{"containerName": ct.name, "resourceName": res, "requestName": req} for ct, res, req, _refs in ext],
+        }
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": p.name, "namespace": p.namespace, "uid": pod_uid(p), "labels": dict(p.labels)},
         "spec": spec,
-        "status": {"phase": "Running"},
+        "status": status,
     }
 
 
@@ -193,6 +276,11 @@ def kubelet_pods(sc: Scenario, pods: list[PodSpec]) -> list[api_pb2.PodResources
             for cn in ct.claims:
                 c = next(c for c in sc.claims if c.namespace == p.namespace and c.name == cn)
                 claims.append(kb.claim(p.namespace, cn, [(DRIVER, sc.node, device_name(sc, ref), None) for ref in c.devices]))
+            if ct.extended:
+                # the generated claim, as GetContainerClaimInfos reports it for a container its
+                # request mappings name: all of the claim's devices, like any claim's
+                every = [ref for c2 in p.containers for _res, ref in c2.extended]
+                claims.append(kb.claim(p.namespace, extended_claim_name(p), [(DRIVER, sc.node, device_name(sc, ref), None) for ref in every]))
             containers.append(kb.container(ct.name, devices=devices, claims=claims))
         out.append(kb.pod(p.namespace, p.name, containers))
     return out

@@ -148,6 +148,9 @@ class ContainerSpec:
     claims: tuple[str, ...] = ()  # claim names in the pod's namespace
     device_plugin: tuple[tuple[str, str], ...] = ()  # (resource name, GPU name or gpu:profile:start)
     restartable_init: bool = False
+    # DRA-backed extended resources (KEP-5004): (resource name, device), allocated through the
+    # claim the scheduler generates for the pod (drasim.objects.extended_claim_name)
+    extended: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -411,6 +414,10 @@ def _parse_gpu(i: int, raw: Any, node: str) -> GpuSpec:
     return g
 
 
+# an extended resource name: a domain-prefixed name (nvidia.com/gpu), as the API requires
+_EXTENDED_RESOURCE_RE = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+
+
 def _device_ref(ref: Any, where: str, gpus: dict[str, GpuSpec]) -> str:
     """Validate a device reference: "<gpu>" or "<gpu>:<profile>:<start>"."""
     if not isinstance(ref, str):
@@ -481,7 +488,16 @@ def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
                 dobj = _Obj(draw, f"{cw}.device_plugin[{k}]")
                 dp.append((dobj.str("resource", "nvidia.com/gpu"), _device_ref(dobj.req("device"), f"{cw}.device_plugin[{k}].device", gpus)))
                 dobj.done()
-            containers.append(ContainerSpec(name=cobj.str("name"), claims=cl, device_plugin=tuple(dp), restartable_init=cobj.bool("restartable_init", False)))
+            ext = []
+            for k, draw in enumerate(cobj.list("extended_resources")):
+                dobj = _Obj(draw, f"{cw}.extended_resources[{k}]")
+                res = dobj.str("resource", "nvidia.com/gpu")
+                if not _EXTENDED_RESOURCE_RE.fullmatch(res):
+                    raise ScenarioError(f"{cw}.extended_resources[{k}].resource: expected an extended resource name like nvidia.com/gpu, got {_show(res)}")
+                ext.append((res, _device_ref(dobj.req("device"), f"{cw}.extended_resources[{k}].device", gpus)))
+                dobj.done()
+            containers.append(ContainerSpec(name=cobj.str("name"), claims=cl, device_plugin=tuple(dp), restartable_init=cobj.bool("restartable_init", False),
+                                            extended=tuple(ext)))
             cobj.done()
         if not containers:
             raise ScenarioError(f"{pw}.containers: at least one container is required")

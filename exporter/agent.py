@@ -469,6 +469,7 @@ class Agent:
             last_collection=self.clock(),
             cycles=self.cycles,
             taint_rules=rep.rules if rep is not None else (),
+            pending_eviction=rep.pending_eviction if rep is not None else (),
             taint_actions=rep.actions if rep is not None else {},
             taint_suppressed=rep.suppressed if rep is not None else {},
             budget_exhausted=rep.budget_exhausted if rep is not None else None,

@@ -75,6 +75,7 @@ CATALOG: tuple[MetricDef, ...] = (
     _m("dra_pod_labels", "gauge", "namespace,pod,labels", "Allow-listed pod labels (--pod-label-allowlist), as label_<key> labels"),
     # remediation
     _m("dra_device_taint_rule", "gauge", "driver,pool,device,effect,tier", "1 per DeviceTaintRule this agent owns"),
+    _m("dra_taint_pods_pending_eviction", "gauge", "rule,driver,pool,device", "Pods on this node still holding the device of a NoExecute DeviceTaintRule this agent owns (rule: its name), from the kubelet's PodResources; 0 once they have gone"),
     _m("dra_gpu_exporter_taint_actions_total", "counter", "action", "Remediation actions: create, adopt, update (effect changed), refresh (reason, evidence or sticky mark changed), delete, dry_run"),
     # The reasons come from the enum the remediator counts with, so none can go undocumented.
     _m("dra_gpu_exporter_taint_suppressed_total", "counter", "reason", f"Taints not applied with their full effect, or not written, by reason ({suppression_reasons()})"),

@@ -104,6 +104,7 @@ def build_remediator(
     from .k8s.events import EventRecorder
     from .k8s.feeds import ListedRules, PolledKillSwitch, WatchedKillSwitch, WatchedRules
     from .k8s.nodestate import NodeState
+    from .k8s.pods import PodFacts
     from .k8s.taintrules import TaintRuleClient
     from .remediation.boot import read_boot_identity
     from .remediation.engine import Remediator
@@ -118,4 +119,5 @@ def build_remediator(
     return Remediator(
         remediation_policy(cfg, resync), health, rules, EventRecorder(api, node), feed, kill, budget,
         node_state=NodeState(api, ns, node) if node_state else None, boot=boot or read_boot_identity(), clock=clock,
+        pods=PodFacts(api),
     )

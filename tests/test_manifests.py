@@ -117,11 +117,11 @@ def test_manifest_holds_the_whole_install(docs: list[dict[str, Any]]) -> None:
             "ServiceAccount",
             "ClusterRole",
             "ClusterRoleBinding",
-            "Role",  # events in "default"
-            "RoleBinding",
             "Role",  # the budget and state ConfigMaps in the agent's namespace
             "RoleBinding",
             "ValidatingAdmissionPolicy",  # DeviceTaintRules
+            "ValidatingAdmissionPolicyBinding",
+            "ValidatingAdmissionPolicy",  # Events (any namespace: an Event about a pod is in its namespace)
             "ValidatingAdmissionPolicyBinding",
             "ValidatingAdmissionPolicy",  # ConfigMaps
             "ValidatingAdmissionPolicyBinding",
@@ -136,9 +136,6 @@ def test_manifest_holds_the_whole_install(docs: list[dict[str, Any]]) -> None:
             "kind"
         ].startswith("ValidatingAdmissionPolicy"):
             assert "namespace" not in doc["metadata"], doc["kind"]
-        elif doc["metadata"]["name"] == "dra-gpu-exporter-events":
-            # Events about cluster-scoped objects (Nodes, DeviceTaintRules) live in "default".
-            assert doc["metadata"]["namespace"] == "default", doc["kind"]
         else:
             assert doc["metadata"]["namespace"] == NAMESPACE, doc["kind"]
 
@@ -180,12 +177,16 @@ def _rules(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
 
 def test_cluster_role_is_least_privilege(docs: list[dict[str, Any]]) -> None:
     # What the agent's requests need (derived and compared both ways in test_rbac_derived.py);
-    # issue 16 trimmed claims to get, slices to list/watch, events to one namespace, and dropped
-    # cluster-wide pods (only --per-process / --pod-label-allowlist list this node's pods).
+    # issue 16 trimmed claims to get, slices to list/watch, and dropped cluster-wide pod lists
+    # (only --per-process / --pod-label-allowlist list this node's pods). Issue 23: a pod that
+    # outstays a NoExecute taint is read by name (get, never list), and told in an Event in its
+    # own namespace (create, confined by the own-node-events admission policy).
     rules = _rules(one(docs, "ClusterRole", "dra-gpu-exporter"))
     assert rules == {
         ("resource.k8s.io", "resourceslices"): {"list", "watch"},
         ("resource.k8s.io", "resourceclaims"): {"get"},
+        ("", "pods"): {"get"},
+        ("events.k8s.io", "events"): {"create"},
         ("", "nodes"): {"list", "watch"},  # this node only, by fieldSelector (NodeWatch)
         # get: adopting our own rule after a 409 on create
         ("resource.k8s.io", "devicetaintrules"): {"get", "list", "watch", "create", "patch", "delete"},
@@ -193,12 +194,11 @@ def test_cluster_role_is_least_privilege(docs: list[dict[str, Any]]) -> None:
 
 
 def test_namespaced_grants(docs: list[dict[str, Any]]) -> None:
-    """Events only in "default"; ConfigMaps only in the agent's namespace: the budget and the node
-    state (whose names RBAC cannot pin for create; the state policy does); only the budget object,
-    by name, is listed and watched (while an agent waits for a slot)."""
-    events = one(docs, "Role", "dra-gpu-exporter-events")
-    assert events["metadata"]["namespace"] == "default"
-    assert _rules(events) == {("events.k8s.io", "events"): {"create"}}
+    """ConfigMaps only in the agent's namespace: the budget and the node state (whose names RBAC
+    cannot pin for create; the state policy does); only the budget object, by name, is listed and
+    watched (while an agent waits for a slot). No other Role: Events are created in the
+    namespace of what they are about (the ClusterRole; the own-node-events policy confines them)."""
+    assert [d["metadata"]["name"] for d in docs if d["kind"] in ("Role", "RoleBinding")] == ["dra-gpu-exporter", "dra-gpu-exporter"]
     own = one(docs, "Role", "dra-gpu-exporter")
     assert own["metadata"]["namespace"] == NAMESPACE
     assert own["rules"] == [
@@ -213,7 +213,6 @@ def test_namespaced_grants(docs: list[dict[str, Any]]) -> None:
 @pytest.mark.parametrize("kind,role_kind,name", [
     ("ClusterRoleBinding", "ClusterRole", "dra-gpu-exporter"),
     ("RoleBinding", "Role", "dra-gpu-exporter"),
-    ("RoleBinding", "Role", "dra-gpu-exporter-events"),
 ])
 def test_bindings_grant_only_the_agent(docs: list[dict[str, Any]], kind: str, role_kind: str, name: str) -> None:
     binding = one(docs, kind, name)
@@ -222,7 +221,7 @@ def test_bindings_grant_only_the_agent(docs: list[dict[str, Any]], kind: str, ro
     one(docs, role_kind, name)
 
 
-@pytest.mark.parametrize("name", ["dra-gpu-exporter-own-node-taints", "dra-gpu-exporter-own-node-state"])
+@pytest.mark.parametrize("name", ["dra-gpu-exporter-own-node-taints", "dra-gpu-exporter-own-node-state", "dra-gpu-exporter-own-node-events"])
 def test_admission_policy_is_bound_and_targets_the_agent(docs: list[dict[str, Any]], name: str) -> None:
     policy = one(docs, "ValidatingAdmissionPolicy", name)
     binding = one(docs, "ValidatingAdmissionPolicyBinding", name)

@@ -1,8 +1,10 @@
 """RBAC and admission derived from what the agent really asks the API server for.
 
 The agent is built by the real wiring against the repository's HTTP API emulation and taken
-through start-up, a fatal fault (XID 79 + lost GPU -> DeviceTaintRule, Events) and the recovery
-(GPU reset -> step down -> rule deleted). Every request in the emulation's request log is turned
+through start-up, a fatal fault (XID 79 + lost GPU -> DeviceTaintRule, Events; nothing evicts the
+pod on the GPU here, so a minute after the NoExecute taint the agent reads it by name and tells it
+in Events on the pod, in its namespace, and on the rule) and the recovery (GPU reset -> step down
+-> rule deleted). Every request in the emulation's request log is turned
 into the authorization attributes the kube-apiserver would check (verb, API group, resource,
 namespace, name; list/watch names come from a metadata.name field selector), and then:
 
@@ -55,8 +57,9 @@ SCENARIO = {
     "faults": [
         {"kind": "xid", "gpu": "gpu1", "at": "5s", "code": 79},
         {"kind": "lost", "gpu": "gpu1", "at": "5s"},
-        # ~5 s of real time after the fault: room for a settle window before NoExecute
-        {"kind": "reset", "gpu": "gpu1", "at": "100s"},
+        # ~7 s of real time after the fault: room for a settle window before NoExecute, and for
+        # the grace (60 s) after which the pod still on the GPU is looked at and told
+        {"kind": "reset", "gpu": "gpu1", "at": "150s"},
     ],
 }
 
@@ -224,7 +227,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
             try:
                 wait_until(lambda: server.list("resource.k8s.io", "devicetaintrules"), timeout=60, message="the fault's rule")
                 wait_until(lambda: not server.list("resource.k8s.io", "devicetaintrules")
-                           and clock.now() > 100.0, timeout=120, message="the recovery")
+                           and clock.now() > 150.0, timeout=120, message="the recovery")
             finally:
                 agent.stop()
             log = server.requests
@@ -257,6 +260,9 @@ def grants() -> list[Grant]:
 def test_the_run_covers_start_up_fault_and_recovery(run: Run) -> None:
     verbs = {(a.resource, a.verb) for a in run.accesses}
     assert {("devicetaintrules", "create"), ("devicetaintrules", "delete"), ("events", "create")} <= verbs
+    # the pod that outstayed the taint: read by name, told in its own namespace
+    assert {str(a) for a in run.accesses if a.resource == "pods" and a.verb == "get"} == {"get core/pods in team-a trainer"}
+    assert {a.namespace for a in run.accesses if a.resource == "events"} == {"default", "team-a"}
     assert ("resourceslices", "watch") in verbs and ("resourceclaims", "get") in verbs
 
 
@@ -287,15 +293,20 @@ def test_no_wildcards_and_no_cluster_wide_namespaced_writes(grants: list[Grant])
     for g in grants:
         assert "*" not in (g.group, g.resource, g.verb)
         assert g.verb not in ("deletecollection", "escalate", "bind", "impersonate")
-    # The only cluster-wide writes are on the cluster-scoped DeviceTaintRules (confined by the VAP).
+    # The only cluster-wide writes are on the cluster-scoped DeviceTaintRules and the creation of
+    # Events (an Event about a pod must be in the pod's namespace), each confined to the agent's
+    # own node by an admission policy.
     cluster_writes = {(g.resource, g.verb) for g in grants if g.namespace == "*" and g.verb not in ("get", "list", "watch")}
-    assert {r for r, _ in cluster_writes} <= {"devicetaintrules"}, cluster_writes
+    assert {r for r, v in cluster_writes if (r, v) != ("events", "create")} <= {"devicetaintrules"}, cluster_writes
+    policed = {r for d in render_docs(CHART_VALUES) if d["kind"] == "ValidatingAdmissionPolicy"
+               for rule in d["spec"]["matchConstraints"]["resourceRules"] for r in rule["resources"]}
+    assert {r for r, _ in cluster_writes} <= policed
 
 
 def test_every_write_of_the_agent_passes_the_admission_policies(run: Run) -> None:
     docs = render_docs(CHART_VALUES)
     policies = [PolicyEvaluator(d) for d in docs if d["kind"] == "ValidatingAdmissionPolicy"]
-    assert len(policies) == 2
+    assert len(policies) == 3
     assert run.writes, "the run wrote nothing"
     checked = 0
     for operation, kind, obj, old in run.writes:
@@ -308,18 +319,22 @@ def test_every_write_of_the_agent_passes_the_admission_policies(run: Run) -> Non
             assert decision.allowed, (operation, kind, (obj or old)["metadata"]["name"], decision.denials)
             checked += 1
     assert checked >= 3  # the rule's create, step-down and delete at least
-    # The same writes from another node's agent are all refused.
+    kinds = {(kind, ((obj or {}).get("regarding") or {}).get("kind", "")) for _, kind, obj, _ in run.writes}
+    assert {("Event", "Pod"), ("Event", "DeviceTaintRule")} <= kinds, kinds  # the overdue eviction's pair checked too
+    # The same writes from another node's agent are all refused (an Event about a pod names no node).
     for operation, kind, obj, old in run.writes:
-        if kind != "DeviceTaintRule":
+        if kind not in ("DeviceTaintRule", "Event") or (kind == "Event" and (obj or {}).get("regarding", {}).get("kind") == "Pod"):
             continue
         for policy in policies:
             if policy.matches_kind(kind):
                 assert not policy.evaluate(agent_request(operation, "other-node", user=AGENT), obj, old).allowed
 
 
-def test_default_install_has_no_pod_access(grants: list[Grant]) -> None:
+def test_default_install_lists_no_pods(grants: list[Grant]) -> None:
     default = {g.key() for g in agent_grants(render_docs())}
     with_labels = {g.key() for g in grants}
+    # by default a pod is only ever read by name (one that outstays a NoExecute taint), never listed
+    assert {k for k in default if k[1] == "pods"} == {("", "pods", "get", "*", "")}
     assert with_labels - default == {("", "pods", "list", "*", "")}
     assert default <= with_labels
     per_process = {g.key() for g in agent_grants(render_docs({"perProcess": True}))}

@@ -379,3 +379,77 @@ def test_state_policy_is_scoped_to_the_agents_namespace_and_configmaps() -> None
     (resource_rule,) = constraints["resourceRules"]
     assert resource_rule["resources"] == ["configmaps"] and resource_rule["apiGroups"] == [""]
     assert spec["failurePolicy"] == "Fail"
+
+
+# --- own-node-events: the Events an agent may create anywhere -----------------------------------
+# Built by the agent's own build_event, so the policy is tested on the objects it really sends.
+
+EVENTS_POLICY = "dra-gpu-exporter-own-node-events"
+
+
+@pytest.fixture(scope="module")
+def events_policy() -> PolicyEvaluator:
+    return PolicyEvaluator(_load_policy(EVENTS_POLICY))
+
+
+def event(regarding: dict[str, str], namespace: str = "default", node: str = "gpu-node-1", **override: Any) -> dict[str, Any]:
+    from exporter.k8s.events import build_event
+
+    obj = build_event(regarding=regarding, reason="GPUEvictionOverdue", note="still holds gpu-3", action="Observe", type_="Warning",
+                      node=node, now=1_750_000_000.0, namespace=namespace)
+    obj.update(override)
+    return obj
+
+
+OWN_RULE = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceTaintRule", "name": "dra-gpu-exporter-gpu-node-1-gpu-3-1a2b3c4d5e"}
+POD = {"apiVersion": "v1", "kind": "Pod", "namespace": "ml", "name": "legacy-trainer", "uid": "27cec86c-380a-5d89-95d0-4e757c192236"}
+
+
+def test_event_samples_are_schema_valid() -> None:
+    for obj in (event({"apiVersion": "v1", "kind": "Node", "name": "gpu-node-1"}), event(OWN_RULE), event(POD, namespace="ml")):
+        kubernetes_validate.validate(obj, "1.37", strict=True)
+
+
+@pytest.mark.parametrize(("regarding", "namespace"), [
+    ({"apiVersion": "v1", "kind": "Node", "name": "gpu-node-1"}, "default"),
+    (OWN_RULE, "default"),
+    (POD, "ml"),
+], ids=["own-node", "own-rule", "pod-in-its-namespace"])
+def test_the_agents_own_events_are_allowed(events_policy: PolicyEvaluator, regarding: dict[str, str], namespace: str) -> None:
+    decision = events_policy.evaluate(request("CREATE"), event(regarding, namespace), None)
+    assert decision.applies and decision.allowed, decision.denials
+
+
+@pytest.mark.parametrize(("regarding", "namespace", "override", "fragment"), [
+    ({"apiVersion": "v1", "kind": "Node", "name": "gpu-node-2"}, "default", {}, "may only write Events about Node gpu-node-1"),
+    ({**OWN_RULE, "name": "dra-gpu-exporter-gpu-node-2-gpu-3-1a2b3c4d5e"}, "default", {}, "may only write Events about"),
+    ({**OWN_RULE, "name": "dra-gpu-exporter-gpu-node-10-gpu-3-1a2b3c4d5e"}, "default", {}, "may only write Events about"),
+    (POD, "kube-system", {}, "may only write Events about"),  # a pod's Event outside its namespace
+    ({"apiVersion": "v1", "kind": "Secret", "namespace": "ml", "name": "token"}, "ml", {}, "may only write Events about"),
+    (POD, "ml", {"reportingInstance": "dra-gpu-exporter-gpu-node-2"}, "may only report Events as dra-gpu-exporter-gpu-node-1"),
+    (POD, "ml", {"reportingController": "kubelet"}, "may only report Events as"),
+], ids=["other-node", "other-nodes-rule", "prefix-node", "pod-elsewhere", "other-kind", "other-instance", "other-controller"])
+def test_events_beyond_its_own_are_denied(events_policy: PolicyEvaluator, regarding: dict[str, str], namespace: str,
+                                          override: dict[str, str], fragment: str) -> None:
+    _denied(events_policy.evaluate(request("CREATE"), event(regarding, namespace, **override), None), fragment)
+
+
+def test_a_long_node_names_cut_reporting_instance_is_its_own() -> None:
+    node = "n" * 200
+    policy = PolicyEvaluator(_load_policy(EVENTS_POLICY))
+    own = event({"apiVersion": "v1", "kind": "Node", "name": node}, node=node)
+    assert len(own["reportingInstance"]) == 128
+    assert policy.evaluate(request("CREATE", node=node), own, None).allowed
+    other = event({"apiVersion": "v1", "kind": "Node", "name": node}, node=node, reportingInstance="dra-gpu-exporter-" + "n" * 20)
+    _denied(policy.evaluate(request("CREATE", node=node), other, None), "may only report Events as")
+
+
+def test_events_policy_needs_the_node_claim_ignores_others_and_covers_events() -> None:
+    policy = PolicyEvaluator(_load_policy(EVENTS_POLICY))
+    own = event(POD, namespace="ml")
+    _denied(policy.evaluate(request("CREATE", node=None), own, None), "no node-name claim")
+    assert not policy.evaluate(request("CREATE", user="system:serviceaccount:kube-system:kube-controller-manager"), own, None).applies
+    spec = _load_policy(EVENTS_POLICY)["spec"]
+    (resource_rule,) = spec["matchConstraints"]["resourceRules"]
+    assert resource_rule["resources"] == ["events"] and resource_rule["apiGroups"] == ["events.k8s.io"]
+    assert spec["matchConstraints"]["matchPolicy"] == "Equivalent" and spec["failurePolicy"] == "Fail"

@@ -18,7 +18,7 @@ import celpy
 
 NODE_CLAIM = "authentication.kubernetes.io/node-name"
 # The kinds a policy's resourceRules name (resource -> kind) for the ones our policies use.
-_KINDS = {"devicetaintrules": "DeviceTaintRule", "configmaps": "ConfigMap"}
+_KINDS = {"devicetaintrules": "DeviceTaintRule", "configmaps": "ConfigMap", "events": "Event"}
 
 
 @dataclass

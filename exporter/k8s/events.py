@@ -1,7 +1,9 @@
 """Kubernetes Events (events.k8s.io/v1) for every remediation action.
 
 Events about cluster-scoped objects (DeviceTaintRule, Node) go to the ``default`` namespace,
-as the kubelet does for Node events. Event names follow the kubelet convention
+as the kubelet does for Node events; an Event about a namespaced object (a Pod that outstays
+its eviction) goes to that object's namespace, as the API server requires and where
+``kubectl describe pod`` looks. Event names follow the kubelet convention
 ``<regarding>.<hex nanoseconds>``. Failures to record an event are logged, never raised: an
 audit trail must not block remediation.
 """
@@ -13,6 +15,7 @@ import threading
 import time
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import quote
 
 import structlog
 
@@ -54,9 +57,11 @@ class EventRecorder:
         self._lock = threading.Lock()
 
     def record(self, regarding: Mapping[str, str], reason: str, note: str, action: str, warning: bool = False) -> dict[str, Any] | None:
-        ev = build_event(regarding=regarding, reason=reason, note=note, action=action, type_="Warning" if warning else "Normal", node=self.node, now=time.time())
+        namespace = regarding.get("namespace") or "default"
+        ev = build_event(regarding=regarding, reason=reason, note=note, action=action, type_="Warning" if warning else "Normal", node=self.node,
+                         now=time.time(), namespace=namespace)
         try:
-            out = request_json(self.client, "POST", "/apis/events.k8s.io/v1/namespaces/default/events", body=ev, timeout=(3.0, 5.0))
+            out = request_json(self.client, "POST", f"/apis/events.k8s.io/v1/namespaces/{quote(namespace, safe='')}/events", body=ev, timeout=(3.0, 5.0))
         except ApiError as e:
             with self._lock:
                 self.failed += 1
@@ -69,3 +74,11 @@ class EventRecorder:
 
 def node_ref(node: str) -> dict[str, str]:
     return {"apiVersion": "v1", "kind": "Node", "name": node}
+
+
+def pod_ref(namespace: str, name: str, uid: str = "") -> dict[str, str]:
+    """An Event's ``regarding`` for a pod (its uid when known: kubectl describe matches on it)."""
+    ref = {"apiVersion": "v1", "kind": "Pod", "namespace": namespace, "name": name}
+    if uid:
+        ref["uid"] = uid
+    return ref

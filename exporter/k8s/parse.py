@@ -24,15 +24,17 @@ nothing else, so the watcher can log the object, count it and carry on.
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .model import AllocatedDevice, AttributeValue, ClaimInfo, PodInfo, SliceDevice
+from .model import AllocatedDevice, AttributeValue, ClaimInfo, DeviceToleration, OwnerRef, PodInfo, SliceDevice
 
 T = TypeVar("T")
 
 __all__ = [
+    "EXTENDED_RESOURCE_CLAIM_ANNOTATION",
     "NESTED_DEVICE_VERSIONS",
     "ParseError",
     "ParsedSlice",
@@ -44,6 +46,10 @@ __all__ = [
     "qualify",
     "version_of",
 ]
+
+#: the annotation the scheduler puts on the claim it generates for a pod's DRA-backed extended
+#: resources (KEP-5004; ``resourceapi.ExtendedResourceClaimAnnotation``)
+EXTENDED_RESOURCE_CLAIM_ANNOTATION = "resource.kubernetes.io/extended-resource-claim"
 
 #: versions whose Device nests attributes and capacity under ``basic``
 NESTED_DEVICE_VERSIONS = frozenset({"v1beta1", "v1alpha3"})
@@ -114,6 +120,36 @@ def _bool(value: Any, where: str, default: bool = False) -> bool:
     if not isinstance(value, bool):
         raise ParseError(f"{where}: expected a boolean, got {type(value).__name__}")
     return value
+
+
+def _time(value: Any, where: str) -> float | None:
+    """An RFC 3339 timestamp (metav1.Time) as unix seconds; None when absent."""
+    if value is None:
+        return None
+    text = _str(value, where)
+    try:
+        t = dt.datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise ParseError(f"{where}: expected an RFC 3339 time, got {text[:40]!r}") from None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=dt.UTC)
+    return t.timestamp()
+
+
+def _tolerations(value: Any, where: str) -> tuple[DeviceToleration, ...]:
+    out = []
+    for i, raw in enumerate(_list(value, where)):
+        twhere = f"{where}[{i}]"
+        t = _dict(raw, twhere)
+        seconds = t.get("tolerationSeconds")
+        out.append(DeviceToleration(
+            key=_str(t.get("key"), f"{twhere}.key", required=False),
+            operator=_str(t.get("operator"), f"{twhere}.operator", required=False) or "Equal",
+            value=_str(t.get("value"), f"{twhere}.value", required=False),
+            effect=_str(t.get("effect"), f"{twhere}.effect", required=False),
+            seconds=None if seconds is None else _int(seconds, f"{twhere}.tolerationSeconds"),
+        ))
+    return tuple(out)
 
 
 def _only_parse_errors(kind: str, parse: Callable[..., T], *args: Any) -> T:
@@ -318,6 +354,7 @@ def _parse_claim(obj: Any) -> ClaimInfo:
                 share_id=share_id,
                 admin_access=_bool(res.get("adminAccess"), f"{rwhere}.adminAccess"),
                 data=data_by_key.get((driver, pool, device, share_id), {}),
+                tolerations=_tolerations(res.get("tolerations"), f"{rwhere}.tolerations"),
             )
         )
 
@@ -332,12 +369,14 @@ def _parse_claim(obj: Any) -> ClaimInfo:
         if group == "" and resource == "pods" and ref_name:
             reserved.append(ref_name)
 
+    annotations = _dict(obj["metadata"].get("annotations"), f"{where}: metadata.annotations", required=False)
     return ClaimInfo(
         namespace=namespace,
         name=name,
         uid=uid,
         devices=tuple(devices),
         reserved_for=tuple(reserved),
+        extended=annotations.get(EXTENDED_RESOURCE_CLAIM_ANNOTATION) == "true",
     )
 
 
@@ -350,7 +389,10 @@ def parse_pod(obj: Any) -> PodInfo:
     ``claims`` are the names of the ResourceClaims the pod holds in its namespace: direct
     references from ``spec.resourceClaims[].resourceClaimName``, generated names from
     ``status.resourceClaimStatuses[].resourceClaimName`` (template claims; null until the claim
-    exists) and the DRA extended-resource claim from ``status.extendedResourceClaimStatus``.
+    exists) and the DRA extended-resource claim from ``status.extendedResourceClaimStatus``
+    (also kept on its own, ``extended_claim``: NoExecute does not evict a pod for that claim's
+    devices, kubernetes/kubernetes#141290). The controller, creation and deletion times serve the
+    remediator's account of pods that outstay a NoExecute taint.
     """
     return _only_parse_errors("pod", _parse_pod, obj)
 
@@ -376,8 +418,17 @@ def _parse_pod(obj: Any) -> PodInfo:
         rcs = _dict(rcs, f"{where}: status.resourceClaimStatuses[{i}]")
         add(rcs.get("resourceClaimName"), f"{where}: status.resourceClaimStatuses[{i}].resourceClaimName")
     ext = _dict(status.get("extendedResourceClaimStatus"), f"{where}: status.extendedResourceClaimStatus", required=False)
-    add(ext.get("resourceClaimName"), f"{where}: status.extendedResourceClaimStatus.resourceClaimName")
+    extended = _str(ext.get("resourceClaimName"), f"{where}: status.extendedResourceClaimStatus.resourceClaimName", required=False)
+    add(extended, f"{where}: status.extendedResourceClaimStatus.resourceClaimName")
 
+    meta = obj["metadata"]
+    controller = None
+    for i, ref in enumerate(_list(meta.get("ownerReferences"), f"{where}: metadata.ownerReferences")):
+        rwhere = f"{where}: metadata.ownerReferences[{i}]"
+        ref = _dict(ref, rwhere)
+        if _bool(ref.get("controller"), f"{rwhere}.controller"):
+            controller = OwnerRef(_str(ref.get("kind"), f"{rwhere}.kind"), _str(ref.get("name"), f"{rwhere}.name"),
+                                  _str(ref.get("uid"), f"{rwhere}.uid", required=False))
     return PodInfo(
         namespace=namespace,
         name=name,
@@ -385,5 +436,9 @@ def _parse_pod(obj: Any) -> PodInfo:
         node_name=node_name,
         phase=phase,
         claims=tuple(claims),
-        labels={str(k): str(v) for k, v in _dict(obj["metadata"].get("labels"), f"{where}: metadata.labels", required=False).items()},
+        labels={str(k): str(v) for k, v in _dict(meta.get("labels"), f"{where}: metadata.labels", required=False).items()},
+        extended_claim=extended,
+        controller=controller,
+        created_at=_time(meta.get("creationTimestamp"), f"{where}: metadata.creationTimestamp"),
+        deleting_at=_time(meta.get("deletionTimestamp"), f"{where}: metadata.deletionTimestamp"),
     )

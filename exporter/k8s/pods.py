@@ -1,4 +1,5 @@
-"""The pods bound to this node, listed on demand and cached for a short TTL.
+"""The pods bound to this node, listed on demand and cached for a short TTL; and single pods
+read by name (:class:`PodFacts`, for the remediator's overdue evictions).
 
 Used to map pod UIDs (from process cgroups) to pods for per-process attribution and to know
 which ResourceClaims each pod holds. The list uses ``fieldSelector=spec.nodeName=<node>`` --
@@ -14,18 +15,25 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
+from urllib.parse import quote
 
 import structlog
 
 from ..backoff import Backoff
 from .connection import ApiClient, ApiError, get_json
-from .model import PodInfo
+from .model import ClaimInfo, PodInfo
 from .parse import ParseError, parse_pod
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["NodePods", "PodStats"]
+__all__ = ["NodePods", "PodFacts", "PodStats"]
+
+
+class ClaimLookup(Protocol):
+    """A claim by name (exporter.k8s.claims.ClaimCache)."""
+
+    def get(self, namespace: str, name: str) -> ClaimInfo | None: ...
 
 PAGE_SIZE = 500
 
@@ -151,3 +159,42 @@ class NodePods:
             self._last_error = None
             self._stats.lists += 1
             self._stats.malformed_skipped += malformed
+
+
+class PodFacts:
+    """One pod, or one claim, read by name: what the remediator asks about a pod that still
+    holds a device after its NoExecute taint's grace period (exporter.remediation.evictions).
+
+    A GET by name, not this node's pod list: it is asked only for the few pods that outstay an
+    eviction, once per pod and deadline, so a node with no such pod costs nothing, and a
+    dense node's pod list (hundreds of pods, pages of JSON) is never fetched for it.
+    ``resourceVersion=0`` answers from the API server's watch cache. The claim comes from a
+    :class:`~exporter.k8s.claims.ClaimCache` of its own (made on first use: an agent that never
+    has such a pod never discovers the resource.k8s.io version for it).
+    """
+
+    def __init__(self, client: ApiClient, claims: Callable[[], ClaimLookup] | None = None) -> None:
+        self._client = client
+        self._make_claims = claims
+        self._claims: ClaimLookup | None = None
+
+    def pod(self, namespace: str, name: str) -> PodInfo | None:
+        """The pod, or None when it no longer exists. Raises ApiError (non-404) and ParseError."""
+        try:
+            obj = get_json(self._client, f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}", {"resourceVersion": "0"})
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise
+        return parse_pod(obj)
+
+    def claim(self, namespace: str, name: str) -> ClaimInfo | None:
+        """The claim (cached once read), or None when it does not exist or cannot be read."""
+        if self._claims is None:
+            if self._make_claims is not None:
+                self._claims = self._make_claims()
+            else:
+                from .claims import ClaimCache
+
+                self._claims = ClaimCache(self._client)
+        return self._claims.get(namespace, name)

@@ -75,6 +75,22 @@ class TaintRuleView(Protocol):
     def tier(self) -> str: ...
 
 
+class PendingEvictionView(Protocol):
+    """A NoExecute rule of the remediator and the pods still holding its device (its report's
+    pending_eviction)."""
+
+    @property
+    def rule(self) -> str: ...
+    @property
+    def driver(self) -> str: ...
+    @property
+    def pool(self) -> str: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def pods(self) -> int: ...
+
+
 @dataclass
 class RenderState:
     """Everything a render needs besides the snapshot; each part owned by its producer."""
@@ -86,6 +102,7 @@ class RenderState:
     last_collection: float | None = None
     cycles: int = 0
     taint_rules: tuple[TaintRuleView, ...] = ()
+    pending_eviction: tuple[PendingEvictionView, ...] = ()  # one per NoExecute rule the remediator owns
     taint_actions: Mapping[str, int] = field(default_factory=dict)
     taint_suppressed: Mapping[str, int] = field(default_factory=dict)
     budget_exhausted: bool | None = None
@@ -519,6 +536,10 @@ class SnapshotCollector(Collector):
         for r in st.taint_rules:
             rules.add_metric([node, r.driver, r.pool, r.device, r.effect, r.tier], 1)
         yield rules
+        pending = _fam("dra_taint_pods_pending_eviction")
+        for p in st.pending_eviction:
+            pending.add_metric([node, p.rule, p.driver, p.pool, p.device], p.pods)
+        yield pending
         acts = _fam("dra_gpu_exporter_taint_actions_total")
         for a, n in sorted(st.taint_actions.items()):
             acts.add_metric([node, a], n)

@@ -3,19 +3,18 @@
 A thin loop over small parts, each with one job and one owner of its state:
 
 * :mod:`.adoption` brings the record of owned rules (:mod:`.rules`) in line with the cluster,
-  restores what adopted rules stand for (:mod:`.state`, with the resets proven meanwhile) and
-  reads the kill switch;
+  restores what adopted rules stand for (:mod:`.state`, proven resets too), reads the kill switch;
 * :mod:`.reconcile` decides every published device's rule per fault domain (:mod:`.domains`,
   :mod:`.plan`) under the rails' verdict (:mod:`.rails`: settle window, node-wide test, rate
   window, cluster budget) and has :mod:`.writer` write them and tell them in Events;
-* :mod:`.notices` counts and tells what was held back, and holds refused writes.
+* :mod:`.notices` counts and tells what was held back, and holds refused writes;
+* :mod:`.evictions` counts the pods still on each NoExecute device and tells of those that stay.
 
-It runs on its own thread so API latency never stalls metric collection, and is woken at once by
-the health engine, the rule and node watches and the budget. Targets come from the snapshot the
-sampler hands it (``update``); it reads no source itself. A new fatal fault is fenced at once
-(NoSchedule) and raised to NoExecute once its settle window has passed, unless the node-wide test
-tripped within it. Lowering is never gated. After each pass it publishes one frozen
-:class:`~.report.RemediationReport`, which is all the rest of the agent reads.
+It runs on its own thread so API latency never stalls metric collection, and is woken at once by the
+health engine, the rule and node watches and the budget. Targets come from the snapshot the sampler
+hands it (``update``); it reads no source itself. A new fatal fault is fenced at once (NoSchedule) and
+raised to NoExecute once its settle window has passed, unless the node-wide test tripped within it.
+Lowering is never gated. Each pass ends in one frozen :class:`~.report.RemediationReport`: all the agent reads.
 """
 
 from __future__ import annotations
@@ -36,10 +35,11 @@ from . import domains
 from .adoption import RuleSync
 from .boot import BootIdentity
 from .budget import Budget
+from .evictions import EvictionWatch
 from .notices import NO_API_KEY, Notices, Refusals
 from .plan import Effect, Target
 from .policy import RemediationPolicy
-from .ports import DeletionStore, EventSink, HealthSource, KillSwitch, RuleApi, RuleFeed
+from .ports import DeletionStore, EventSink, HealthSource, KillSwitch, PodLookup, RuleApi, RuleFeed
 from .rails import SafetyRails
 from .reconcile import Reconciler
 from .report import Histogram, RemediationReport
@@ -68,6 +68,7 @@ class Remediator:
         node_state: DeletionStore | None = None,
         boot: BootIdentity | None = None,
         clock: Callable[[], float] = time.time,
+        pods: PodLookup | None = None,  # reads a pod that outstays its eviction (evictions.py)
     ) -> None:
         self.policy, self.health, self.rules, self.feed, self.kill, self.budget, self.clock = policy, health, rules, feed, kill_switch, budget, clock
         self.boot = boot or BootIdentity()
@@ -79,6 +80,7 @@ class Remediator:
         self.refusals = Refusals()
         self.rails = SafetyRails(policy, budget)
         self.reconciler = Reconciler(policy, self.record, self.rails, self.writer, self.notices, self.refusals, self.admin)
+        self.evictions = EvictionWatch(pods, events, self.writer.ref, policy.eviction_grace)
         self.ok = False
         self.last_error: str | None = None
         self.passes = 0  # good passes of the remediator thread (for tests and debugging)
@@ -86,15 +88,13 @@ class Remediator:
         self._snap: Snapshot | None = None
         self._published: tuple[PublishedDevice, ...] | None = None  # the last known published devices
         self._targets: tuple[tuple[PublishedDevice, ...] | None, list[Target]] = (None, [])
-        self._wake = threading.Condition()
-        self._dirty = True
+        self._wake, self._dirty = threading.Condition(), True
         self._quiet = False  # the last pass ended with nothing to watch over (see update)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards the snapshot handed in and the published report
         self._report = RemediationReport(mode=policy.mode.value)
-        self._retry_at = 0.0
-        self._backoff = Backoff(0.5, 30.0)  # between failed passes; a 429's Retry-After is honoured
+        self._retry_at, self._backoff = 0.0, Backoff(0.5, 30.0)  # between failed passes; a 429's Retry-After is honoured
         health.subscribe(lambda uuid: self.poke())
         budget.subscribe(self.poke)
 
@@ -212,6 +212,7 @@ class Remediator:
         if self._targets[0] is not published:  # (the join keeps the same tuple while slices stand still)
             self._targets = (published, domains.targets(published or ()))
         self.reconciler.run(self._targets[1], gpus, keys, health, now, supports_none, self.sync.kill_switch)
+        self.evictions.run(self.record.values(), snap.allocations if snap is not None else (), now)
         self._quiet = not (
             len(self.record) or self.refusals or self.reconciler.pending or self.rails.raised or self.rails.waiting
             or self.rails.next_due is not None or any(h.conditions for h in health.values())
@@ -239,6 +240,7 @@ class Remediator:
             suppressed=dict(self.notices.suppressed),
             budget_exhausted=self.rails.budget_exhausted,
             latency=self.writer.latency.snapshot(),
+            pending_eviction=self.evictions.pending,
         )
         with self._lock:
             self._report = report

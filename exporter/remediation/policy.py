@@ -24,6 +24,9 @@ class RemediationPolicy:
     interval: float = 5.0  # seconds between passes while something is watched over (at most QUIET_PASS)
     resync: float = 30.0  # seconds between passes while the node is quiet
     refused_retry: float = 300.0  # a write the API server refused is asked again after this
+    # a pod still on a NoExecute device this long after the taint (plus its toleration, or its
+    # deletion) is looked at and told in a Warning Event (exporter.remediation.evictions)
+    eviction_grace: float = 60.0
 
     @property
     def dry_run(self) -> bool:

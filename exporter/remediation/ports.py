@@ -9,6 +9,7 @@ from typing import Protocol
 
 from ..devices.model import DeviceEvent
 from ..health.model import DeviceHealth, Scope, Tier
+from ..k8s.model import ClaimInfo, PodInfo
 from ..k8s.nodestate import Deletion
 from ..k8s.taintrules import RuleChange, RuleSpec, ServedTaintRules, StoredRule
 
@@ -70,3 +71,12 @@ class DeletionStore(Protocol):
     def name(self) -> str: ...
     def load(self) -> dict[Key, Deletion]: ...
     def save(self, deleted: dict[Key, Deletion]) -> bool: ...
+
+
+class PodLookup(Protocol):
+    """One pod or claim by name (exporter.k8s.pods.PodFacts): asked only about a pod that stays
+    on a NoExecute device past its grace. ``pod`` returns None for a pod that no longer exists
+    and raises ApiError otherwise; ``claim`` returns None when it cannot tell."""
+
+    def pod(self, namespace: str, name: str) -> PodInfo | None: ...
+    def claim(self, namespace: str, name: str) -> ClaimInfo | None: ...

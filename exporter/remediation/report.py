@@ -23,6 +23,18 @@ class TaintRuleView:
 
 
 @dataclass(frozen=True)
+class PendingEvictionView:
+    """A NoExecute rule this agent owns and how many pods still hold its device
+    (``dra_taint_pods_pending_eviction``)."""
+
+    rule: str
+    driver: str
+    pool: str
+    device: str
+    pods: int
+
+
+@dataclass(frozen=True)
 class HistogramSnapshot:
     """A histogram's counts at one moment (what a report carries: never the live one)."""
 
@@ -66,6 +78,7 @@ class RemediationReport:
     suppressed: Mapping[str, int] = field(default_factory=dict)
     budget_exhausted: bool | None = None
     latency: HistogramSnapshot | None = None
+    pending_eviction: tuple[PendingEvictionView, ...] = ()  # one per NoExecute rule, 0 pods included
 
     @property
     def healthy(self) -> bool:

@@ -81,7 +81,9 @@ class OwnedRules:
         """Bring the record in line with the cluster's rules for this node. ``lags``: the view
         comes from a watch, which may not show a rule created moments ago yet."""
         out = Sync()
-        seen = {r.key: r for r in found if r.pool and r.device}
+        # Only rules carrying this agent's managed-by label: the feeds select by it already, and a
+        # rule anyone else wrote (an operator's, a driver's) is never adopted, whatever it selects.
+        seen = {r.key: r for r in found if r.pool and r.device and r.ours}
         with self._lock:
             self._deleted &= {r.name for r in seen.values()}  # gone from the view: no longer in doubt
             for key, r in seen.items():

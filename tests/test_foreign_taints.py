@@ -1,0 +1,154 @@
+"""Foreign taints are not health (issue 24, Deliver 4).
+
+AMD's DRA driver (ROCm/k8s-gpu-dra-driver v1.x, AutoPartition) puts NoExecute taints
+``gpu.amd.com/memory-partition-conflict`` on its virtual partition devices to steer scheduling
+once a memory mode is in use (tests/fakes/amd_autopartition_slices.py, from the driver's source).
+Other parties write DeviceTaintRules of their own. None of that is this agent's business: the
+whole agent (production wiring, amdsmi's real Python layer over the fake library, the kubelet's
+real gRPC server, the HTTP API emulation with the strict schema check) runs in enforce mode on a
+node whose slices carry those taints, with two foreign DeviceTaintRules on its devices and pods
+on the tainted devices, and must show no health change, take no budget slot, adopt, change or
+delete no rule, count no pod as pending eviction and write nothing at all.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from fakes import fake_amdsmi as fake
+from fakes.amd_autopartition_slices import TAINT_KEY, autopartition_slices
+from fakes.fake_amdsmi import FakeAmdGpu, FakeAmdSmiNode, mi300x_cpx_amdsmi_7_0
+from k8s_helpers import running_apiserver, wait_until, write_kubeconfig
+from kit_helpers import fetch
+from prometheus_client.parser import text_string_to_metric_families
+from validation import StrictValidator
+
+from drasim import kubelet as kb
+from drasim import objects
+from drasim.kubelet import FakeKubelet
+from exporter.config import Config, TaintMode
+from exporter.devices.amd import AmdSmiBackend
+from exporter.wiring import build_agent
+
+NODE = "mi300x-node"
+AMD = "gpu.amd.com"
+GiB = 1024**3
+
+
+def foreign_rules() -> list[dict]:
+    return [
+        # a maintenance operator's rule on a device that resolves to a local GPU (GPU 1, in SPX);
+        # it even carries this agent's node label, but not its managed-by label
+        {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceTaintRule",
+         "metadata": {"name": f"maintenance-{NODE}-gpu-1", "labels": {"app.kubernetes.io/managed-by": "gpu-maintenance-operator",
+                                                                       "dra-gpu-exporter.io/node": NODE}},
+         "spec": {"deviceSelector": {"driver": AMD, "pool": NODE, "device": "gpu-1-spx-nps1"},
+                  "taint": {"key": "example.com/maintenance", "value": "firmware", "effect": "NoExecute"}}},
+        # someone's rule with the AMD driver's own key, unlabelled
+        {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceTaintRule",
+         "metadata": {"name": f"{NODE}-memory-mode-lock"},
+         "spec": {"deviceSelector": {"driver": AMD, "pool": NODE, "device": "gpu-0-cpx-nps4"},
+                  "taint": {"key": TAINT_KEY, "value": "nps1", "effect": "NoExecute"}}},
+    ]
+
+
+@pytest.fixture(scope="module")
+def amdsmi_module():
+    return fake.import_amdsmi()
+
+
+@pytest.fixture
+def amd_node(amdsmi_module):
+    # GPU 0 in CPX + NPS1 as amdsmi 7.0.x reports it (the allocation that locked the memory mode
+    # to nps1), GPU 1 a full GPU in SPX
+    gpus = [*mi300x_cpx_amdsmi_7_0("5a1b7e3c-0000-1000-8000-0c42a1b2c3d4", "0000:05:00.0", card=1, render=128),
+            FakeAmdGpu(uuid="9d2c4f6a-0000-1000-8000-0c42a1b2c3e5", bdf="0000:83:00.0", card=9, render=136, vram_total=192 * GiB)]
+    fake.FAKE_LIB.node = FakeAmdSmiNode(gpus)
+    yield gpus
+    fake.FAKE_LIB.node.release_all()
+    fake.FAKE_LIB.node = None
+
+
+def test_the_amd_drivers_taints_and_foreign_rules_are_no_health_no_budget_and_not_ours(amd_node, tmp_path):
+    physical = [amd_node[0], amd_node[-1]]  # partition 0 stands for GPU 0 in the driver's numbering
+    slices = autopartition_slices(NODE, physical, active_memory="nps1")
+    tainted = {d["name"] for d in slices[1]["spec"]["devices"] if d.get("taints")}
+    assert tainted == {"gpu-0-dpx-nps2", "gpu-0-cpx-nps4", "gpu-1-dpx-nps2", "gpu-1-cpx-nps4"}
+    kubelet = FakeKubelet(str(tmp_path / "kubelet.sock"))
+    # a pod on the partition that locked the mode, one on a device the AMD driver tainted (nothing
+    # evicts it here), one on the device a foreign rule taints NoExecute
+    kubelet.set_pods([
+        kb.pod("ml", name, [kb.container("main", claims=[kb.claim("ml", f"{name}-gpu", [(AMD, NODE, device, None)])])])
+        for name, device in (("cpx-job", "gpu-0-cpx-nps1"), ("conflicted", "gpu-0-cpx-nps4"), ("maintained", "gpu-1-spx-nps1"))
+    ])
+    kubelet.start()
+    try:
+        with running_apiserver("1.37", bookmark_interval=0.2) as api:
+            validator = StrictValidator("1.37")
+            api.set_validator(validator)
+            for obj in objects.agent_namespace_objects():
+                api.apply(obj)
+            api.apply({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "labels": {"kubernetes.io/hostname": NODE}}})
+            for obj in [*slices, *foreign_rules()]:
+                api.apply(obj)
+            before = {r["metadata"]["name"]: copy.deepcopy(r) for r in api.list("resource.k8s.io", "devicetaintrules")}
+            budget_before = api.get("", "configmaps", "dra-gpu-exporter-budget", "dra-gpu-exporter")
+            api.clear_requests()
+            cfg = Config(listen_host="127.0.0.1", listen_port=0, node_name=NODE, kubelet_socket=kubelet.socket_path,
+                         kubeconfig=str(write_kubeconfig(tmp_path / "kubeconfig", api.url)), backend="amdsmi", interval=0.2,
+                         call_timeout=2.0, taint_mode=TaintMode.ENFORCE)
+            agent = build_agent(cfg, backend=AmdSmiBackend(), remediation_resync=0.2)
+            agent.start(serve=True)
+            try:
+                rem = agent.src.remediation
+                assert rem is not None
+                wait_until(lambda: agent.src.slices.synced and rem.passes >= 1 and agent.cycles >= 3, timeout=60, message="the agent settled")
+                for _ in range(3):  # passes on purpose: a quiet node's remediator does not run one per cycle
+                    n = rem.passes
+                    rem.poke()
+                    wait_until(lambda n=n: rem.passes > n, timeout=30, message="a remediation pass")
+                agent.run_cycle()
+                status, body = fetch(agent.server.url + "/metrics")
+                assert status == 200
+                samples = [s for fam in text_string_to_metric_families(body.decode()) for s in fam.samples]
+                report, health = rem.report(), agent.health.all_health()
+            finally:
+                agent.stop()
+            # no health change: every GPU and partition healthy, no condition at all
+            assert agent.snapshot is not None and len(agent.snapshot.devices) == 9
+            assert [h for h in health.values() if h.conditions] == []
+            assert {s.value for s in samples if s.name == "gpu_healthy"} == {1.0}
+            assert [s for s in samples if s.name == "gpu_health_condition"] == []
+            # the devices are known, and so is who holds them (the resolved ones at least)
+            rows = {s.labels["pod"]: s.labels for s in samples if s.name == "dra_device_allocation_info"}
+            assert set(rows) == {"cpx-job", "conflicted", "maintained"} and rows["maintained"]["uuid"] == amd_node[-1].uuid
+            # nothing adopted, nothing counted, nothing pending, no budget slot
+            assert report.rules == () and report.pending_eviction == () and dict(report.actions) == {} and dict(report.suppressed) == {}
+            assert [s for s in samples if s.name in ("dra_device_taint_rule", "dra_taint_pods_pending_eviction")] == []
+            assert not rem.rails.raised and not rem.record.noexecute_units()
+            assert api.get("", "configmaps", "dra-gpu-exporter-budget", "dra-gpu-exporter")["data"] == budget_before["data"]
+            # the foreign rules untouched (same object, same resourceVersion), none deleted, none added
+            after = {r["metadata"]["name"]: r for r in api.list("resource.k8s.io", "devicetaintrules")}
+            assert after == before
+            # and the agent wrote nothing at all: no rule, no budget, no Event
+            writes = [f"{q.method} {q.path}" for q in api.requests if q.method in ("POST", "PUT", "PATCH", "DELETE")]
+            assert writes == []
+            assert not [q for q in api.requests if "/configmaps" in q.path and "dra-gpu-exporter-budget" in q.path + str(q.query)]
+            assert validator.failures == []
+    finally:
+        kubelet.stop()
+
+
+def test_the_record_of_owned_rules_never_adopts_a_rule_without_the_agents_label():
+    """Belt and braces behind the label-selected feeds: a foreign rule handed to the record (a
+    feed misconfigured, a selector dropped) is not adopted; the agent's own is."""
+    from exporter.k8s.taintrules import StoredRule
+    from exporter.remediation.rules import OwnedRules
+
+    record = OwnedRules()
+    theirs = StoredRule(name=f"maintenance-{NODE}-gpu-1", uid="u1", driver=AMD, pool=NODE, device="gpu-1-spx-nps1", effect="NoExecute", ours=False)
+    mine = StoredRule(name=f"dra-gpu-exporter-{NODE}-gpu-1-0-abc", uid="u2", driver=AMD, pool=NODE, device="gpu-1-0", effect="NoSchedule", ours=True,
+                      tier="degraded")
+    sync = record.sync([theirs, mine], lags=False, now=0.0)
+    assert [r.name for r in sync.adopted] == [mine.name] and [r.name for r in record.values()] == [mine.name]
