@@ -16,6 +16,7 @@ from typing import Any
 
 import structlog
 
+from ..constants import API_TIMEOUT
 from .connection import ApiClient, ApiError, request_json
 from .names import REPORTING_CONTROLLER
 
@@ -56,7 +57,7 @@ class EventRecorder:
     def record(self, regarding: Mapping[str, str], reason: str, note: str, action: str, warning: bool = False) -> dict[str, Any] | None:
         ev = build_event(regarding=regarding, reason=reason, note=note, action=action, type_="Warning" if warning else "Normal", node=self.node, now=time.time())
         try:
-            out = request_json(self.client, "POST", "/apis/events.k8s.io/v1/namespaces/default/events", body=ev, timeout=(3.0, 5.0))
+            out = request_json(self.client, "POST", "/apis/events.k8s.io/v1/namespaces/default/events", body=ev, timeout=API_TIMEOUT)
         except ApiError as e:
             with self._lock:
                 self.failed += 1
