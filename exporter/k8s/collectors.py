@@ -7,7 +7,8 @@ What each source's answer means for a cycle lives here, beside the sources:
   known devices, flagged degraded, while the watch is failing;
 * claims (:class:`exporter.k8s.claims.ClaimCache`, GETs): fetched only when one is missing or
   expired, on a deadline lane of its own, so a black-holed API server costs one deadline and
-  the cycle goes on with what the cache holds (degraded);
+  the cycle goes on with what the cache holds (degraded). The first fetch of a dense node's
+  claims is waited for as long as it makes progress (see :meth:`ClaimCollector._first_fetch`);
 * pods (:class:`exporter.k8s.pods.NodePods`, a cached list): on its own deadline lane too; when
   it is too slow, the last list stands in (degraded).
 
@@ -25,7 +26,7 @@ from ..collect import Collector, Degraded, Gathered, Slot, SourceStats
 from ..devices.deadline import CallHung, DeadlineRunner
 from .model import ClaimInfo, PodInfo, SliceDevice
 
-__all__ = ["CLAIMS", "PODS", "SLICES", "ClaimCollector", "PodCollector", "SliceCollector"]
+__all__ = ["CLAIMS", "FIRST_FETCH_LIMIT", "PODS", "SLICES", "ClaimCollector", "PodCollector", "SliceCollector"]
 
 DeviceKey = tuple[str, str, str]  # (driver, pool, device)
 ClaimKey = tuple[str, str]  # (namespace, name)
@@ -33,6 +34,9 @@ ClaimKey = tuple[str, str]  # (namespace, name)
 SLICES: Slot[Mapping[DeviceKey, SliceDevice]] = Slot("slices")
 CLAIMS: Slot[Mapping[ClaimKey, ClaimInfo]] = Slot("claims")
 PODS: Slot[tuple[PodInfo, ...]] = Slot("pods")
+
+#: longest the agent's first claim fetch is waited for while it keeps making progress (seconds)
+FIRST_FETCH_LIMIT = 60.0
 
 
 class WatchStatsView(Protocol):
@@ -72,6 +76,7 @@ class ClaimSource(Protocol):
     def last_error(self) -> str | None: ...
     @property
     def stats(self) -> ClaimStatsView: ...
+    def progress(self) -> tuple[int, int]: ...
     def due(self, keys: Iterable[ClaimKey]) -> bool: ...
     def refresh(self, keys: Iterable[ClaimKey]) -> None: ...
     def prune(self, keep: Iterable[ClaimKey]) -> None: ...
@@ -143,6 +148,7 @@ class ClaimCollector(Collector[Mapping[ClaimKey, ClaimInfo]]):
         self._wanted = wanted
         self.deadline = deadline
         self.runner = DeadlineRunner()  # the "claims" lane: fetches must not stall the cycle
+        self._fetched_once = False
 
     def collect(self, found: Gathered) -> Mapping[ClaimKey, ClaimInfo]:
         cache, keys = self.cache, self._wanted(found)
@@ -164,7 +170,31 @@ class ClaimCollector(Collector[Mapping[ClaimKey, ClaimInfo]]):
         return out
 
     def _refresh(self, keys: list[ClaimKey]) -> None:
-        self.runner.call("claims", lambda: self.cache.refresh(keys), self.deadline)
+        first, self._fetched_once = not self._fetched_once, True
+        answered = self.cache.progress()[0]
+        try:
+            self.runner.call("claims", lambda: self.cache.refresh(keys), self.deadline)
+        except CallHung:
+            if not first or not self._first_fetch(answered):
+                raise
+
+    def _first_fetch(self, answered: int) -> bool:
+        """The agent's first fetch, past its deadline. Every claim of the node is new at once
+        (2,048 GETs on the dense 4x node, a few in flight at a time), so it takes as long as
+        the claim count says, not one deadline: it is waited for, a deadline at a time, while
+        answers keep coming and claims are still queued behind them, up to
+        :data:`FIRST_FETCH_LIMIT`. A slow answer (nothing queued behind the GETs in flight) or
+        a black-holed API server (no answers) is not waited for: the cycle goes on without
+        those claims, as on any other cycle. True when the fetch finished."""
+        end = time.monotonic() + FIRST_FETCH_LIMIT
+        while time.monotonic() < end:
+            now, queued = self.cache.progress()
+            if now == answered or not queued:
+                return False
+            answered = now
+            if self.runner.wait("claims", min(self.deadline, max(0.0, end - time.monotonic()))):
+                return True
+        return False
 
     def stop(self) -> None:
         self.runner.close()
