@@ -15,7 +15,7 @@ from typing import Protocol, TypeVar, cast
 
 import structlog
 
-from .collect import Collector, Degraded, Gathered
+from .collect import Collector, CollectorStatus, Degraded, Gathered
 from .config import Config
 from .devices.collector import DeviceCollector
 from .health.engine import HealthEngine
@@ -31,14 +31,6 @@ from .remediation.report import RemediationReport
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass
-class CollectorStatus:
-    duration: float = 0.0
-    success: bool = False
-    error: str = ""
-    last_success: float | None = None  # monotonic
 
 
 @dataclass(frozen=True)
@@ -173,27 +165,17 @@ class Agent:
             value: T | None = c.collect(found)
         except Degraded as e:
             # The source answered with data it knows to be incomplete or old: use it, report it.
-            self._failed(c.name, st, t0, e, "collector_degraded")
+            st.failed(c.name, time.perf_counter() - t0, e, "collector_degraded")
             return found.with_value(c.slot, cast("T", e.result), fresh=True)  # a collector raises its own type
         except Exception as e:
-            self._failed(c.name, st, t0, e, "collector_failed")
+            st.failed(c.name, time.perf_counter() - t0, e, "collector_failed")
             kept = self.found.get(c.slot) if c.keep_for > 0 else None
             if kept is not None and (st.last_success is None or time.monotonic() - st.last_success > c.keep_for):
                 log.warning("collector_data_expired", collector=c.name, grace_seconds=c.keep_for)
                 kept = None
             return found.with_value(c.slot, kept, fresh=False)
-        st.duration = time.perf_counter() - t0
-        if not st.success and st.error:
-            log.info("collector_recovered", collector=c.name)
-        st.success, st.error, st.last_success = True, "", time.monotonic()
+        st.succeeded(c.name, time.perf_counter() - t0)
         return found.with_value(c.slot, value, fresh=True)
-
-    @staticmethod
-    def _failed(name: str, st: CollectorStatus, t0: float, e: Exception, event: str) -> None:
-        st.duration = time.perf_counter() - t0
-        if st.success or st.error != str(e):  # logged when it starts or changes, not every cycle
-            log.warning(event, collector=name, error=str(e))
-        st.success, st.error = False, str(e)
 
     def run_cycle(self) -> Snapshot:
         with self._cycle_lock:

@@ -24,11 +24,16 @@ source can implement it.
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar, cast
 
-__all__ = ["Collector", "Degraded", "Gathered", "Slot", "SourceStats"]
+import structlog
+
+__all__ = ["Collector", "CollectorStatus", "Degraded", "Gathered", "Slot", "SourceStats"]
+
+log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -96,6 +101,28 @@ class SourceStats:
     relists: int = 0
     watch_restarts: int = 0
     malformed: int = 0
+
+
+@dataclass
+class CollectorStatus:
+    """A collector's last run, as /readyz and the self-metrics report it (kept by the agent)."""
+
+    duration: float = 0.0
+    success: bool = False
+    error: str = ""
+    last_success: float | None = None  # monotonic
+
+    def failed(self, name: str, duration: float, error: Exception, event: str) -> None:
+        self.duration = duration
+        if self.success or self.error != str(error):  # logged when it starts or changes, not every cycle
+            log.warning(event, collector=name, error=str(error))
+        self.success, self.error = False, str(error)
+
+    def succeeded(self, name: str, duration: float) -> None:
+        self.duration = duration
+        if not self.success and self.error:
+            log.info("collector_recovered", collector=name)
+        self.success, self.error, self.last_success = True, "", time.monotonic()
 
 
 class Collector(abc.ABC, Generic[T_co]):
