@@ -197,8 +197,8 @@ def main() -> None:
     )
     agent = build_agent(cfg, backend=SimBackend(sc, clock), clock=clock.epoch)
     imported_mb = rss_mb()
-    if a.claims_ttl is not None and agent.src.claims is not None:
-        agent.src.claims.ttl = a.claims_ttl
+    if a.claims_ttl is not None and agent.src.get("claims") is not None:
+        agent.src.get("claims").cache.ttl = a.claims_ttl
     agent.start()
     # agent.start() returns once the first cycle is rendered and published: /metrics complete
     started_s, first_metrics_s = time.perf_counter() - t_start, process_age()

@@ -98,8 +98,8 @@ def main() -> None:
         while not node.api.list("resource.k8s.io", "devicetaintrules", label_selector=f"{names.NODE_LABEL}={sc.node}"):
             time.sleep(0.001)
         first_rule = time.monotonic() - injected
-        rem = agent.src.remediation
-        while not (agent.src.slices.synced and rem is not None and rem.passes > 2 and agent.cycles > 3):
+        rem = agent.out.remediation
+        while not (agent.src.get("slices").watcher.synced and rem is not None and rem.passes > 2 and agent.cycles > 3):
             time.sleep(0.05)
         settle = time.monotonic() - started
         startup = list(node.api.requests)

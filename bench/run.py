@@ -358,7 +358,7 @@ def bench_xid(samples: int = 200) -> None:
     lat = []
     node.start(serve=False)
     try:
-        rem = node.agent.src.remediation
+        rem = node.agent.out.remediation
         api = node.cluster.api
         wait_until(lambda: rem.passes > 0, timeout=60, message="the remediator's first pass")
 

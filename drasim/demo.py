@@ -154,7 +154,7 @@ def summary_line(agent: Agent, cluster: DemoCluster, hold: float = DEMO_HOLD) ->
     down = sum(1 for d in snap.devices if not d.up)
     # Conditions from the health engine itself, not the last cycle's snapshot: a fault's rule
     # is written on the event, before the next cycle shows the condition.
-    rem = agent.src.remediation
+    rem = agent.out.remediation
     rules = rem.report().rules if rem else ()
     health = agent.health.all_health()
     parents = {d.uuid: d.identity.parent_uuid for d in snap.devices if d.identity.is_partition}

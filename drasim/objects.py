@@ -184,7 +184,7 @@ def resource_claims(sc: Scenario, pods: list[PodSpec]) -> list[dict[str, Any]]:
                 "apiVersion": "resource.k8s.io/v1",
                 "kind": "ResourceClaim",
                 "metadata": {"name": c.name, "namespace": c.namespace},
-                "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount", "count": len(c.devices)}}]}},
+                "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER, "allocationMode": "ExactCount", "count": len(c.devices)}}]}},
                 "status": {
                     "allocation": {
                         "devices": {

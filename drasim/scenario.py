@@ -20,10 +20,11 @@ from typing import Any
 
 import yaml
 
-from exporter.config import one_line
+from exporter.constants import NVIDIA_DRIVER
 from exporter.devices.model import normalize_pci_bus_id
+from exporter.text import one_line
 
-DRIVER = "gpu.nvidia.com"
+DRIVER = NVIDIA_DRIVER  # the DRA driver the simulated node's slice and claims name
 _NS = uuidlib.UUID("6f1c2f4e-1d0b-4c55-9a57-8a3c0e1d2b7a")
 
 

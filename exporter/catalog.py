@@ -87,6 +87,12 @@ CATALOG: tuple[MetricDef, ...] = (
     _m("dra_gpu_exporter_build_info", "gauge", "version", "Build information"),
     _m("dra_gpu_exporter_collector_duration_seconds", "gauge", "collector", "Duration of the collector's last run"),
     _m("dra_gpu_exporter_collector_success", "gauge", "collector", "1 if the collector's last run succeeded"),
+    # each source's own requests (exporter.collect.SourceStats), since the agent started
+    _m("dra_gpu_exporter_source_requests_total", "counter", "source,verb", "Requests a source made to its peer, by verb: list (a paginated list counts once), get, watch (kubelet: PodResources List calls, a call refused during a rate-limit backoff included)"),
+    _m("dra_gpu_exporter_source_errors_total", "counter", "source", "A source's failed requests and broken watch streams"),
+    _m("dra_gpu_exporter_source_malformed_total", "counter", "source", "Objects or watch events a source could not parse and skipped"),
+    _m("dra_gpu_exporter_source_relists_total", "counter", "source", "Lists a watching source made after its first (410 Gone, recovery after an error)"),
+    _m("dra_gpu_exporter_source_watch_restarts_total", "counter", "source", "Watches a watching source opened after its first (the server ended one, or it broke)"),
     _m("dra_gpu_exporter_last_collection_timestamp_seconds", "gauge", "", "When the last collection cycle finished"),
     _m("dra_gpu_exporter_cycles_total", "counter", "", "Collection cycles run"),
     _m("dra_gpu_exporter_starved", "gauge", "", "1 while the agent itself is starved of CPU (scheduling lag, cgroup throttling, device calls that never started): its late device reads are not held against the GPUs"),

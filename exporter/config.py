@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Generic, NoReturn, TypeVar
 
 from . import __version__, constants
-from .text import one_line as one_line  # re-exported: drasim.scenario imports it from here
+from .text import one_line
 
 ENV_PREFIX = "DRA_GPU_EXPORTER_"
 DEFAULT_KUBELET_SOCKET = constants.KUBELET_SOCKET

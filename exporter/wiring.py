@@ -1,4 +1,14 @@
-"""Build an Agent from a Config: the real sources for a node, the same ones the demo uses."""
+"""Composition: the one place that builds the agent's parts and says how they connect.
+
+``compose`` builds the health engine, the starvation probe, the sources (each behind its
+collector, in cycle order), one shared API ``Discovery``, the outputs (renderer, billing
+counters, remediator, the HTTP endpoint's factory) and hands the agent immutable ``Sources``
+and ``Outputs``; nothing reaches back into a built object. ``build_agent`` is ``compose`` for a
+real node: the kubelet's socket, the API server the configuration names, the flag's backend.
+
+Adding a source is one new module (the source and its ``Collector``, beside each other) and one
+line below, where the collectors are listed.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +19,25 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from .agent import Agent, Sources
+from .agent import Agent, Outputs, Sources
+from .collect import Collector
 from .config import Config, TaintMode
 from .devices.base import DeviceBackend
+from .devices.collector import DeviceCollector
 from .devices.select import make_backend
-from .health.engine import HealthPolicy
+from .health.engine import HealthEngine, HealthPolicy
+from .health.starvation import StarvationMonitor
 from .kubelet.client import PodResourcesClient
-from .model.processes import process_memory
+from .kubelet.collector import KubeletCollector, PodResources, claim_refs
+from .metrics.render import Renderer
+from .metrics.server import MetricsServer
+from .metrics.webconfig import load_web_config
+from .model.processes import ProcessCollector
+from .model.usage import UsageAccountant
 
 if TYPE_CHECKING:  # the Kubernetes parts are imported only when an API is configured
-    from .health.engine import HealthEngine
     from .k8s.connection import ApiClient
+    from .k8s.discovery import Discovery
     from .k8s.taintrules import TaintRuleClient
     from .remediation.boot import BootIdentity
     from .remediation.budget import Budget
@@ -37,8 +55,9 @@ def build_agent(
     health_policy: HealthPolicy | None = None,
     remediation_resync: float = 30.0,
 ) -> Agent:
-    backend = backend or make_backend(cfg.backend)
-    src = Sources(backend=backend, kubelet=PodResourcesClient(cfg.kubelet_socket))
+    """The agent of a real node: ``cfg``'s backend (or ``backend``), the kubelet at
+    ``cfg.kubelet_socket``, the API server ``cfg`` or the environment names (none: no DRA
+    attribution, no remediation)."""
     api = None
     if cfg.kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST") or os.environ.get("KUBECONFIG"):
         # The kubernetes client costs a quarter of the start-up imports: only load it when
@@ -49,21 +68,82 @@ def build_agent(
         api = connect(cfg.kubeconfig)
     if api is None:
         log.warning("no_kubernetes_api", hint="no kubeconfig and not in a cluster: DRA attribution and remediation are off")
-    else:
-        from .k8s.claims import ClaimCache
-        from .k8s.pods import NodePods
-        from .k8s.slices import SliceWatcher
+    return compose(cfg, backend or make_backend(cfg.backend), kubelet=PodResourcesClient(cfg.kubelet_socket), api=api,
+                   clock=clock, health_policy=health_policy, remediation_resync=remediation_resync)
 
-        src.slices = SliceWatcher(api, cfg.node_name)
-        src.claims = ClaimCache(api)
-        if cfg.per_process or cfg.pod_label_allowlist:
-            src.pods = NodePods(api, cfg.node_name)
-    if cfg.per_process:
-        src.processes = process_memory
-    agent = Agent(cfg, src, clock=clock, health_policy=health_policy)
+
+def compose(
+    cfg: Config,
+    backend: DeviceBackend,
+    *,
+    kubelet: PodResources | None = None,
+    api: ApiClient | None = None,
+    clock: Callable[[], float] = time.time,
+    health_policy: HealthPolicy | None = None,
+    remediation_resync: float = 30.0,
+) -> Agent:
+    """The agent from its parts: ``backend`` always; the kubelet's PodResources and the API
+    server when given (tests and rigs leave them out)."""
+    health = HealthEngine(clock, health_policy or HealthPolicy(clear_hold=cfg.fault_clear_seconds, stuck_after=cfg.stuck_reading_seconds))
+    # The agent's own CPU starvation is told apart from stuck device calls: a lag of half a
+    # deadline is starvation, and one keeps the agent "starved" long enough for a call that
+    # was only slow to come back once the agent runs again.
+    starvation = StarvationMonitor(threshold=max(0.05, cfg.call_timeout / 2), window=max(10.0, 5 * cfg.call_timeout))
+    devices = DeviceCollector(backend, health, starvation, call_timeout=cfg.call_timeout, hung_after=cfg.hung_after)
+    discovery = _discovery(api)
+    # The sources after the devices, in cycle order (a collector reads what those before it
+    # found): one line each.
+    collectors: list[Collector[object]] = []
+    if kubelet is not None:
+        collectors.append(KubeletCollector(kubelet))
+    if api is not None and discovery is not None:
+        collectors += _api_collectors(cfg, api, discovery)
+    after_join: list[Collector[object]] = [ProcessCollector()] if cfg.per_process else []
+    remediation = None
     if api is not None and cfg.taint_mode != TaintMode.OFF:
-        src.remediation = build_remediator(cfg, api, agent.health, clock, remediation_resync)
-    return agent
+        remediation = build_remediator(cfg, api, health, clock, remediation_resync, discovery=discovery)
+    outputs = Outputs(
+        health=health, starvation=starvation, renderer=Renderer(), usage=UsageAccountant(),
+        # opened by Agent.start (serve=True) with the agent's probes, before the sources start
+        serve=lambda ready, alive: MetricsServer(
+            cfg.listen_host, cfg.listen_port, ready, liveness=alive,
+            web_config=load_web_config(cfg.web_config_file) if cfg.web_config_file else None,
+        ),
+        remediation=remediation,
+    )
+    return Agent(cfg, Sources(devices, tuple(collectors), tuple(after_join)), outputs, clock=clock)
+
+
+def _discovery(api: ApiClient | None) -> Discovery | None:
+    """One cache of the API server's discovery answers for every part that asks (slices,
+    claims, DeviceTaintRules): they change only on control-plane upgrades."""
+    if api is None:
+        return None
+    from .k8s.discovery import Discovery
+
+    return Discovery(api)
+
+
+def _api_collectors(cfg: Config, api: ApiClient, discovery: Discovery) -> list[Collector[object]]:
+    """The Kubernetes API's sources: this node's ResourceSlices (watched), the claims its pods
+    hold (fetched as the kubelet names them), its Pods (listed, when labels or per-process
+    attribution want them)."""
+    # (imported here: only an agent with an API server pays for the kubernetes client)
+    from .k8s.claims import ClaimCache
+    from .k8s.collectors import ClaimCollector, PodCollector, SliceCollector
+    from .k8s.pods import NodePods
+    from .k8s.slices import SliceWatcher
+
+    # API calls made inside a cycle get deadline lanes of their own, like device calls: a slow
+    # or black-holed API server (30 s read timeout per request) must not stall the cycle.
+    deadline = max(cfg.call_timeout, 0.5)
+    out: list[Collector[object]] = [
+        SliceCollector(SliceWatcher(api, cfg.node_name, discovery=discovery)),
+        ClaimCollector(ClaimCache(api, discovery=discovery), claim_refs, deadline),
+    ]
+    if cfg.per_process or cfg.pod_label_allowlist:
+        out.append(PodCollector(NodePods(api, cfg.node_name), deadline))
+    return out
 
 
 def agent_namespace() -> str:
@@ -94,6 +174,7 @@ def build_remediator(
     budget: Budget | None = None,
     boot: BootIdentity | None = None,
     node_state: bool = True,
+    discovery: Discovery | None = None,
 ) -> Remediator:
     """The remediator with its cluster parts: this node's rules and kill-switch label watched
     (``watch``; without, listed and read every ``resync`` s: a rig's "not seen yet"), the cluster
@@ -110,7 +191,7 @@ def build_remediator(
     from .remediation.engine import Remediator
 
     ns, node = agent_namespace(), cfg.node_name
-    rules = rules or TaintRuleClient(api)
+    rules = rules or TaintRuleClient(api, discovery)
     feed: RuleFeed = WatchedRules(api, node, rules) if watch else ListedRules(rules, node, resync)
     kill: KillSwitch = WatchedKillSwitch(api, node) if watch else PolledKillSwitch(api, node, resync)
     # The budget object the installer created in the agent's namespace: read (through a watch by

@@ -23,11 +23,12 @@ from fakes.fake_nvml import FakeNvml, installed
 from kit_helpers import wait_until
 from test_nvml_backend import GPU0, GPU1, idle_gpu
 
-from exporter.agent import Agent, Sources
+from exporter.agent import Agent
 from exporter.config import Config
 from exporter.devices.nvml import NvmlBackend
 from exporter.health.model import Tier
 from exporter.health.starvation import StarvationMonitor, read_throttled_seconds
+from exporter.wiring import compose
 
 
 def fetch(url: str, timeout: float = 10.0) -> tuple[int, bytes]:
@@ -46,7 +47,7 @@ def nvml_agent(serve: bool = True, **cfg_kw) -> Iterator[tuple[FakeNvml, Agent]]
         backend = NvmlBackend(event_wait_ms=50, lock_timeout_s=0.2)
         kw = dict(listen_host="127.0.0.1", listen_port=0, node_name="n1", interval=0.05, call_timeout=0.2, hung_after=1.0)
         kw.update(cfg_kw)
-        agent = Agent(Config(**kw), Sources(backend=backend))
+        agent = compose(Config(**kw), backend)
         agent.start(serve=serve)
         try:
             yield fake, agent
@@ -251,7 +252,7 @@ def test_a_starved_agent_with_remediation_on_writes_no_rule(tmp_path: Path):
             )
             agent = build_agent(cfg, backend=NvmlBackend(event_wait_ms=50, lock_timeout_s=0.2), remediation_resync=0.2)
             agent.start()
-            wait_until(lambda: agent.src.slices.synced and agent.snapshot is not None and len(agent.snapshot.claims) == 2, timeout=60, message="slices and claims joined")
+            wait_until(lambda: agent.src.get("slices").watcher.synced and agent.snapshot is not None and len(agent.snapshot.claims) == 2, timeout=60, message="slices and claims joined")
             assert conditions(agent) == {}
             with starving(agent.server.url):
                 wait_until(lambda: agent.starvation.state().starved, timeout=60, message="the agent to notice it is starved")

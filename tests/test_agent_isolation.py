@@ -79,7 +79,7 @@ def simulated_node(sc: Scenario, *, start_kubelet: bool = True, t: float = 0.0, 
         kw = dict(interval=3600.0, call_timeout=1.0, taint_mode=TaintMode.OFF)
         kw.update(cfg_kw)
         agent = node.start_agent(remediation_resync=0.2, **kw)
-        wait_until(lambda: agent.src.slices.synced, timeout=60, message="ResourceSlices listed")
+        wait_until(lambda: agent.src.get("slices").watcher.synced, timeout=60, message="ResourceSlices listed")
         yield Node(agent, node.kubelet, node.api, sc, node.socket)
 
 
@@ -215,7 +215,7 @@ def test_api_server_outage_keeps_serving():
         rows = {(s.labels["pod"], s.labels["container"], s.labels["uuid"]) for s in before.find("dra_device_allocation_info")}
         assert len(rows) == 8
         n.api.outage(True)
-        wait_until(lambda: n.agent.src.slices.last_error, timeout=10, message="the slice watch to notice the outage")
+        wait_until(lambda: n.agent.src.get("slices").watcher.last_error, timeout=10, message="the slice watch to notice the outage")
         m = n.scrape()
         # device metrics and attribution (from the kubelet and the last good slices) go on
         assert m.value("gpu_up", uuid=n.uuid("gpu0")) == 1

@@ -59,9 +59,9 @@ def _run(other_nodes: int) -> tuple[set[tuple[str, str, bool, tuple[tuple[str, s
                 node.api.apply(obj)
         node.api.clear_requests()
         agent = node.start_agent(interval=0.2, taint_mode=TaintMode.ENFORCE)
-        rem = agent.src.remediation
+        rem = agent.out.remediation
         assert rem is not None
-        wait_until(lambda: agent.src.slices.synced and rem.passes > 0 and agent.cycles > 3, timeout=120, message="the agent settled")
+        wait_until(lambda: agent.src.get("slices").watcher.synced and rem.passes > 0 and agent.cycles > 3, timeout=120, message="the agent settled")
         startup = list(node.api.requests)
         node.api.clear_requests()
         start = agent.cycles

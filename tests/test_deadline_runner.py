@@ -92,3 +92,16 @@ def test_retire_and_close_end_the_workers(runner: DeadlineRunner) -> None:
     release.set()
     runner.close()
     wait_until(lambda: not any(w.is_alive() for w in workers), message="the workers to end")
+
+
+def test_wait_follows_a_call_past_its_deadline_until_it_ends(runner: DeadlineRunner) -> None:
+    """The claims collector waits on a long first fetch through wait(): False while the call
+    is still running on its lane, True once it has ended (or when nothing is pending)."""
+    assert runner.wait("api", 0.0)  # nothing pending
+    release = threading.Event()
+    with pytest.raises(CallHung):
+        runner.call("api", lambda: release.wait(60), 0.05)
+    assert not runner.wait("api", 0.05)
+    release.set()
+    assert runner.wait("api", 60)
+    assert runner.call("api", lambda: 7, 10) == 7  # the lane is free again

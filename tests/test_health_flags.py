@@ -7,8 +7,8 @@ import pytest
 
 from drasim.backend import SimBackend, SimClock
 from drasim.scenario import parse_scenario
-from exporter.agent import Agent, Sources
 from exporter.config import ENV_PREFIX, ConfigError, build_parser, resolve
+from exporter.wiring import compose
 
 
 @pytest.fixture(autouse=True)
@@ -41,5 +41,5 @@ def test_bad_values_are_one_clear_error(argv):
 
 def test_fault_clear_seconds_is_the_health_engines_clear_hold():
     sc = parse_scenario({"node": "n", "gpus": [{"name": "g"}]})
-    agent = Agent(cfg("--fault-clear-seconds", "42"), Sources(backend=SimBackend(sc, SimClock(1.0))))
+    agent = compose(cfg("--fault-clear-seconds", "42"), SimBackend(sc, SimClock(1.0)))
     assert agent.health.policy.clear_hold == 42.0

@@ -180,15 +180,15 @@ def test_an_xid_nvml_attributes_to_a_mig_instance_is_booked_on_that_instance():
     from kit_helpers import wait_until
     from test_nvml_backend import GPU0, GPU1, MIG_A, MIG_B, idle_gpu, mig_gpu
 
-    from exporter.agent import Agent, Sources
     from exporter.config import Config
     from exporter.devices.nvml import NvmlBackend
+    from exporter.wiring import compose
 
     fake = FakeNvml([mig_gpu(fields={}), idle_gpu()])  # no field values: no "reset pending" of its own
     with installed(fake):
-        agent = Agent(
+        agent = compose(
             Config(listen_host="127.0.0.1", listen_port=0, node_name="n1", interval=3600.0, call_timeout=1.0),
-            Sources(backend=NvmlBackend(event_wait_ms=50, lock_timeout_s=0.2)),
+            NvmlBackend(event_wait_ms=50, lock_timeout_s=0.2),
         )
         agent.start(serve=False)
         try:

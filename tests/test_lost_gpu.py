@@ -78,7 +78,7 @@ def test_a_gpu_lost_before_start_is_fatal_with_series_from_the_first_cycle():
             )
             agent = build_agent(cfg, backend=NvmlBackend(event_wait_ms=50, lock_timeout_s=0.2))
             agent.start()
-            wait_until(lambda: agent.src.slices.synced, timeout=30, message="ResourceSlices listed")
+            wait_until(lambda: agent.src.get("slices").watcher.synced, timeout=30, message="ResourceSlices listed")
             agent.run_cycle()  # the first cycle after the slices are listed
             m = scrape(agent.server.url)
 

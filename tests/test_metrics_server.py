@@ -23,7 +23,7 @@ from drasim.backend import SimBackend, SimClock
 from drasim.kubelet import FakeKubelet
 from drasim.scenario import default_scenario, parse_scenario
 from exporter import __version__
-from exporter.agent import Agent, Sources
+from exporter.agent import Agent
 from exporter.catalog import BY_NAME
 from exporter.config import Config
 from exporter.devices.model import DeviceIdentity, Vendor
@@ -33,6 +33,7 @@ from exporter.kubelet.model import AllocationSource, ContainerAllocation
 from exporter.metrics.render import Renderer, RenderState
 from exporter.metrics.server import CONTENT_TYPE, MetricsServer
 from exporter.model.join import JoinInputs, join
+from exporter.wiring import compose
 
 PROMTOOL = shutil.which("promtool")
 
@@ -88,7 +89,7 @@ TWO = parse_scenario(
 
 
 def test_metrics_values_and_every_series_has_node():
-    agent = Agent(config(), Sources(backend=sim(TWO)))
+    agent = compose(config(), sim(TWO))
     with running(agent) as url:
         status, headers, body = fetch(url + "/metrics")
     assert status == 200
@@ -147,7 +148,7 @@ def test_excluded_metrics_are_left_out_and_nothing_else_is():
     assert cfg.exclude_metrics == {"gpu_sm_clock_hertz", "gpu_memory_clock_hertz", "gpu_ecc_errors_total", "dra_claim_pods"}
     families = {}
     for excluded in (frozenset(), cfg.exclude_metrics):
-        agent = Agent(config(exclude_metrics=excluded), Sources(backend=sim(TWO)))
+        agent = compose(config(exclude_metrics=excluded), sim(TWO))
         with running(agent) as url:
             _, _, body = fetch(url + "/metrics")
         families[excluded] = {fam.name for fam in text_string_to_metric_families(body.decode())}
@@ -157,7 +158,7 @@ def test_excluded_metrics_are_left_out_and_nothing_else_is():
 
 
 def test_gzip_head_healthz_and_404():
-    agent = Agent(config(), Sources(backend=sim(TWO)))
+    agent = compose(config(), sim(TWO))
     with running(agent) as url:
         _, _, plain = fetch(url + "/metrics")
         status, headers, zipped = fetch(url + "/metrics", {"Accept-Encoding": "gzip, deflate"})
@@ -172,7 +173,7 @@ def test_gzip_head_healthz_and_404():
 
 
 def test_concurrent_scrapes_get_whole_bodies():
-    agent = Agent(config(interval=0.05), Sources(backend=sim(default_scenario())))
+    agent = compose(config(interval=0.05), sim(default_scenario()))
     with running(agent) as url:
         bodies: list[bytes] = []
         errors: list[BaseException] = []
@@ -200,7 +201,7 @@ def test_concurrent_scrapes_get_whole_bodies():
 
 
 def test_ready_after_first_cycle():
-    agent = Agent(config(), Sources(backend=sim(TWO)))
+    agent = compose(config(), sim(TWO))
     with running(agent) as url:
         status, _, body = fetch(url + "/readyz")
         assert (status, body) == (200, b"ready\n")
@@ -214,7 +215,7 @@ def test_hung_device_is_down_others_are_served_and_readyz_names_it():
     a, b = sc.gpus
     # --hung-after 0: a call still stuck at its deadline is a hung device at once (unless the
     # agent itself is starved, then a later cycle tells)
-    agent = Agent(config(call_timeout=0.5, hung_after=0), Sources(backend=sim(sc, 1.0)))
+    agent = compose(config(call_timeout=0.5, hung_after=0), sim(sc, 1.0))
     with running(agent) as url:
         # more cycles: the stuck lane now fails fast
         wait_until(lambda: (agent.run_cycle(), not agent.health.health(b.uuid).healthy)[1], timeout=60, message="driver_hung")
@@ -235,7 +236,7 @@ def test_hung_device_is_down_others_are_served_and_readyz_names_it():
 
 def test_stalled_sampler_makes_readyz_fail_and_recover():
     # interval 0.05 s and call timeout 0.05 s: device data older than 0.2 s is stale
-    agent = Agent(config(interval=0.05, call_timeout=0.05), Sources(backend=sim(TWO)))
+    agent = compose(config(interval=0.05, call_timeout=0.05), sim(TWO))
     with running(agent) as url:
         wait_until(lambda: fetch(url + "/readyz")[0] == 200, message="ready")
         # A sampler stuck inside a cycle (a kubelet or API call that does not return) holds
@@ -253,7 +254,7 @@ def test_readiness_before_any_cycle_and_a_broken_probe():
     def broken() -> tuple[bool, str]:
         raise RuntimeError("probe bug")
 
-    agent = Agent(config(), Sources(backend=sim(TWO)))
+    agent = compose(config(), sim(TWO))
     ok, reason = agent.readiness()
     assert not ok and reason.startswith("not ready: no successful device collection yet")
     server = MetricsServer("127.0.0.1", 0, broken)
@@ -283,7 +284,7 @@ def test_probes_answer_while_the_device_library_is_still_opening():
             super().open()
 
     backend = SlowToOpen(TWO, SimClock(scale=1e-6))
-    agent = Agent(config(), Sources(backend=backend))
+    agent = compose(config(), backend)
     starting = threading.Thread(target=agent.start)
     starting.start()
     try:
@@ -305,7 +306,7 @@ def test_probes_answer_while_the_device_library_is_still_opening():
     failing = SlowToOpen(TWO, SimClock(scale=1e-6))
     failing.fail = True
     failing.release.set()
-    bad = Agent(config(), Sources(backend=failing))
+    bad = compose(config(), failing)
     with pytest.raises(RuntimeError, match="driver init failed"):
         bad.start()
     assert bad.server is None  # stopped: the port is free again
@@ -332,7 +333,7 @@ def test_promtool_finds_nothing(tmp_path, dcgm_compat):
     with FakeKubelet(sock, qps=None) as kubelet:
         kubelet.set_pods(objects.kubelet_pods(sc, list(sc.pods)))
         cfg = config(node_name=sc.node, dcgm_compat_labels=dcgm_compat, pod_label_allowlist=("app", "team"))
-        agent = Agent(cfg, Sources(backend=sim(sc, 120.0), kubelet=PodResourcesClient(sock)))
+        agent = compose(cfg, sim(sc, 120.0), kubelet=PodResourcesClient(sock))
         with running(agent) as url:
             _, _, body = fetch(url + "/metrics")
     names = {s.name for s in samples(body)}

@@ -191,7 +191,7 @@ def test_a_frozen_energy_counter_under_power_is_reading_stuck_and_no_rule_is_wri
             backend = NvmlBackend(event_wait_ms=50, lock_timeout_s=0.2, slow_counter_period_s=0.0)
             agent = build_agent(cfg, backend=backend, clock=clock, health_policy=HealthPolicy(stuck_after=600.0), remediation_resync=0.2)
             agent.start()
-            wait_until(lambda: agent.src.slices.synced, timeout=30, message="ResourceSlices listed")
+            wait_until(lambda: agent.src.get("slices").watcher.synced, timeout=30, message="ResourceSlices listed")
             agent.run_cycle()  # the claims are known from here (the first cycle may have come before the slices)
             for step in range(1, 8):  # 700 s of cycles: gpu1's counter moves, gpu0's does not
                 clock.advance(100)
@@ -216,7 +216,7 @@ def test_a_frozen_energy_counter_under_power_is_reading_stuck_and_no_rule_is_wri
             wait_until(lambda: any(r["spec"]["deviceSelector"]["device"] == "gpu-1" for r in rules()), timeout=60, message="gpu1's DeviceTaintRule")
             agent.run_cycle()
             assert [r["spec"]["deviceSelector"]["device"] for r in rules()] == ["gpu-1"]
-            assert {r.device for r in agent.src.remediation.report().rules} == {"gpu-1"}
+            assert {r.device for r in agent.out.remediation.report().rules} == {"gpu-1"}
             assert agent.health.health(g0.uuid).advisories  # still stuck, still no rule
     finally:
         if agent is not None:

@@ -162,7 +162,7 @@ def test_xid_storm_keeps_serving_taints_once_per_device_and_stays_bounded(storm_
     url = agent.server.url
     ref = lambda r: objects.device_uuid(sc, r)  # noqa: E731
     dev = lambda r: objects.device_name(sc, r)  # noqa: E731
-    wait_until(lambda: agent.src.slices.synced and agent.src.remediation.ok, timeout=60, message="slices listed, remediation running")
+    wait_until(lambda: agent.src.get("slices").watcher.synced and agent.out.remediation.ok, timeout=60, message="slices listed, remediation running")
 
     def scrape_once() -> str:
         status, body = fetch(url + "/metrics")

@@ -32,8 +32,8 @@ def test_a_403_on_rule_creation_turns_the_collector_and_readyz_red_until_it_succ
         assert n.api.list("resource.k8s.io", "devicetaintrules") == []
         # the server accepts it again: the held write is retried when the decision changes
         # (fence -> evict after the settle window) and everything turns green
-        n.agent.src.remediation.refusals.clear()  # (skip the 5-minute hold: what is under test is the report)
-        n.agent.src.remediation.poke()
+        n.agent.out.remediation.refusals.clear()  # (skip the 5-minute hold: what is under test is the report)
+        n.agent.out.remediation.poke()
 
         def written():
             # the rule stored first: clearing the hold turns the report green at once, before

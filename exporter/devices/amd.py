@@ -35,6 +35,7 @@ from typing import Any
 
 import structlog
 
+from ..text import one_line
 from .base import BackendUnavailable, DeviceBackend, EventSink, EventThread
 from .model import (
     DeviceEvent,
@@ -339,11 +340,6 @@ class _StatusTable:
         return _Fault.FIELD, None
 
 
-def _oneline(exc: BaseException) -> str:
-    """amdsmi's exception text spans lines ("Error code:\n\t2 | ..."); logs want one."""
-    return " ".join(str(exc).split())
-
-
 def _error_code(exc: BaseException) -> int | None:
     code = getattr(exc, "err_code", None)
     return code if isinstance(code, int) else None
@@ -513,7 +509,7 @@ class AmdSmiBackend(DeviceBackend):
             amdsmi.amdsmi_init(amdsmi.AmdSmiInitFlags.INIT_AMD_GPUS)
         except Exception as exc:
             raise BackendUnavailable(
-                f"amdsmi_init failed ({type(exc).__name__}: {_oneline(exc)}); is the amdgpu driver loaded?"
+                f"amdsmi_init failed ({type(exc).__name__}: {one_line(exc)}); is the amdgpu driver loaded?"
             ) from exc
         self._am = amdsmi
         self._status = _StatusTable.from_wrapper(amdsmi.amdsmi_wrapper)
@@ -531,7 +527,7 @@ class AmdSmiBackend(DeviceBackend):
             try:
                 am.amdsmi_shut_down()
             except Exception as exc:
-                log.warning("amdsmi_shutdown_failed", error=_oneline(exc))
+                log.warning("amdsmi_shutdown_failed", error=one_line(exc))
 
     def driver_version(self) -> str:
         return self._driver_version
@@ -546,7 +542,7 @@ class AmdSmiBackend(DeviceBackend):
             try:
                 handles = am.amdsmi_get_processor_handles()
             except Exception as exc:
-                log.error("amdsmi_enumerate_failed", error=_oneline(exc))
+                log.error("amdsmi_enumerate_failed", error=one_line(exc))
                 return list(self._identities or [])
             probes: list[GpuProbe] = []
             by_key: dict[int, Any] = {}
@@ -591,14 +587,14 @@ class AmdSmiBackend(DeviceBackend):
             uuid = am.amdsmi_get_gpu_device_uuid(h)
             bdf = am.amdsmi_get_gpu_device_bdf(h)
         except Exception as exc:
-            log.error("amdsmi_probe_failed", index=index, error=_oneline(exc))
+            log.error("amdsmi_probe_failed", index=index, error=one_line(exc))
             return None
 
         def opt(call: Callable[[], Any], default: Any = None) -> Any:
             try:
                 return call()
             except Exception as exc:
-                log.debug("amdsmi_probe_field_unavailable", uuid=uuid, error=_oneline(exc))
+                log.debug("amdsmi_probe_field_unavailable", uuid=uuid, error=one_line(exc))
                 return default
 
         enum_info = opt(lambda: am.amdsmi_get_gpu_enumeration_info(h), {}) or {}
@@ -651,7 +647,7 @@ class AmdSmiBackend(DeviceBackend):
                 code = _error_code(exc)
                 fault, err = self._status.classify(code)
                 if fault is _Fault.DEVICE:
-                    detail = f"{key}: {_oneline(exc)}"
+                    detail = f"{key}: {one_line(exc)}"
                     err = err or ReadError.ERROR
                     log.warning("amdsmi_device_failed", uuid=device.uuid, field=key, code=code, error=err.value)
                     return DeviceReading.failed(device.uuid, err, detail)
@@ -660,7 +656,7 @@ class AmdSmiBackend(DeviceBackend):
                     log.debug("amdsmi_field_unsupported", uuid=device.uuid, field=key, code=code)
                 elif fault is _Fault.FIELD and (device.uuid, key, code) not in self._warned:
                     self._warned.add((device.uuid, key, code))
-                    log.warning("amdsmi_field_error", uuid=device.uuid, field=key, code=code, error=_oneline(exc))
+                    log.warning("amdsmi_field_error", uuid=device.uuid, field=key, code=code, error=one_line(exc))
         return reading
 
     # -- events ---------------------------------------------------------------------------------
@@ -681,7 +677,7 @@ class AmdSmiBackend(DeviceBackend):
             try:
                 readers.append(am.AmdSmiEventReader(h, types))
             except Exception as exc:
-                log.warning("amdsmi_events_unavailable", uuid=uuid, error=_oneline(exc))
+                log.warning("amdsmi_events_unavailable", uuid=uuid, error=one_line(exc))
         if not readers:
             return
         self._event_readers = readers
@@ -699,7 +695,7 @@ class AmdSmiBackend(DeviceBackend):
                 return  # the wait timed out without events
             if self._events.stopping():
                 return
-            log.warning("amdsmi_event_read_failed", error=_oneline(exc))
+            log.warning("amdsmi_event_read_failed", error=one_line(exc))
             self._events.wait(self._event_backoff)
             return
         for ev in events:

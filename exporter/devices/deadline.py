@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -211,6 +212,17 @@ class DeadlineRunner:
             running = _running_for(ln)
             what = f"exceeded its {timeout:.3g}s deadline" if running is not None else f"did not start within its {timeout:.3g}s deadline"
             raise CallHung(lane, ln.started, f"call on {lane} {what}", running_for=running) from None
+
+    def wait(self, lane: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the lane's pending call (one that missed its
+        deadline) to end; True when it has, or none is pending. Its result is not reported."""
+        with self._lock:
+            ln = self._lanes.get(lane)
+            fut = ln.pending if ln is not None else None
+        if fut is None:
+            return True
+        done, _ = wait_futures([fut], timeout)
+        return bool(done)
 
     def running_for(self, lane: str) -> float | None:
         """Seconds the lane's pending call has been running; None when none is running."""

@@ -50,6 +50,7 @@ from typing import Any
 
 import structlog
 
+from ..constants import API_TIMEOUT
 from .connection import ApiClient, ApiError, ApiUnavailable, get_json, request_json
 from .watch import Reflector
 
@@ -57,7 +58,6 @@ log = structlog.get_logger(__name__)
 
 BUDGET_NAME = "dra-gpu-exporter-budget"
 CAPACITY_KEYS = ("max_domains", "fraction", "cluster_gpus")
-TIMEOUT = (3.0, 5.0)
 SPREAD = 5.0  # seconds: a waiting agent that sees a free slot asks at a random moment within this
 FIRST_READ = 5.0  # seconds a take waits for the watch's first list while it is neither done nor failed
 CONFLICT_PAUSE = 1.0  # seconds, at most, of the random pause after a conflict (grows from 20 ms)
@@ -232,7 +232,7 @@ class ClusterBudget:
                 time.sleep(self._rng() * min(CONFLICT_PAUSE, 0.02 * 2**attempt))
                 obj = self._fresh(watch, tried, 2.0)
                 if _rv(obj) == tried:
-                    obj = get_json(self.client, self._path, timeout=TIMEOUT)  # the watch is behind
+                    obj = get_json(self.client, self._path, timeout=API_TIMEOUT)  # the watch is behind
             if obj is None:
                 with self._lock:
                     self._waiting.add(key)
@@ -253,7 +253,7 @@ class ClusterBudget:
                     return False  # a slot is free: this holder's turn is still to come
             data[key] = f"{self.clock():.0f}"
             try:
-                request_json(self.client, "PUT", self._path, body={**obj, "data": data}, timeout=TIMEOUT)
+                request_json(self.client, "PUT", self._path, body={**obj, "data": data}, timeout=API_TIMEOUT)
             except ApiError as e:
                 if e.status != 409:
                     raise
@@ -279,13 +279,13 @@ class ClusterBudget:
         with self._lock:
             self._waiting.discard(key)
         for attempt in range(self.attempts):
-            obj = get_json(self.client, self._path, timeout=TIMEOUT)
+            obj = get_json(self.client, self._path, timeout=API_TIMEOUT)
             data = dict(obj.get("data") or {})
             if key not in data:
                 break
             del data[key]
             try:
-                request_json(self.client, "PUT", self._path, body={**obj, "data": data}, timeout=TIMEOUT)
+                request_json(self.client, "PUT", self._path, body={**obj, "data": data}, timeout=API_TIMEOUT)
             except ApiError as e:
                 if e.status != 409:
                     raise
@@ -299,7 +299,7 @@ class ClusterBudget:
         self._close_watch_if_idle()
 
     def held(self, prefix: str | None = None) -> set[str]:
-        data = get_json(self.client, self._path, timeout=TIMEOUT).get("data") or {}
+        data = get_json(self.client, self._path, timeout=API_TIMEOUT).get("data") or {}
         return {k for k in _slots(data) if prefix is None or k.startswith(prefix)}
 
     def close(self) -> None:

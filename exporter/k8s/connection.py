@@ -29,6 +29,8 @@ from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
+from ..text import one_line
+
 log = structlog.get_logger(__name__)
 
 __all__ = [
@@ -152,11 +154,6 @@ def _read_bounded(resp: Any, limit: int) -> bytes:
 # --------------------------------------------------------------------------- connecting
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
-
-
 def connect(kubeconfig: str | None) -> ApiClient | None:
     """Build an API client, or ``None`` when there is no configuration to use.
 
@@ -175,7 +172,7 @@ def connect(kubeconfig: str | None) -> ApiClient | None:
             # kubernetes ships py.typed, but its config loaders have no annotations
             k8s_config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
         except Exception as exc:
-            raise KubeconfigError(f"in-cluster configuration unusable: {_one_line(exc)}") from exc
+            raise KubeconfigError(f"in-cluster configuration unusable: {one_line(exc)}") from exc
         source = "in-cluster"
     elif os.environ.get("KUBECONFIG"):
         # KUBECONFIG may be a list; the first existing file is the conventional choice here
@@ -206,7 +203,7 @@ def _load_kubeconfig(path: str, cfg: k8s_client.Configuration, what: str) -> Non
         # kubernetes ships py.typed, but its config loaders have no annotations
         k8s_config.load_kube_config(config_file=path, client_configuration=cfg, persist_config=False)  # type: ignore[no-untyped-call]
     except Exception as exc:  # ConfigException, YAML errors, bad base64 ... all mean "unusable"
-        raise KubeconfigError(f"{what} {path}: {_one_line(exc)}") from exc
+        raise KubeconfigError(f"{what} {path}: {one_line(exc)}") from exc
     if not cfg.host:
         raise KubeconfigError(f"{what} {path}: no server address in the current context")
 
@@ -272,10 +269,10 @@ def _send(
         resp = client.call_api(*req, _request_timeout=timeout)
     except ApiException as exc:  # the REST layer's own failures (TLS errors) come as status 0
         if exc.status:
-            raise ApiError(status=exc.status, reason=str(exc.reason or "Error"), message=_one_line(exc)) from exc
-        raise ApiUnavailable(status=0, reason="TransportError", message=_one_line(exc)) from exc
+            raise ApiError(status=exc.status, reason=str(exc.reason or "Error"), message=one_line(exc)) from exc
+        raise ApiUnavailable(status=0, reason="TransportError", message=one_line(exc)) from exc
     except (urllib3.exceptions.HTTPError, OSError) as exc:
-        raise ApiUnavailable(status=0, reason=type(exc).__name__, message=_one_line(exc)) from exc
+        raise ApiUnavailable(status=0, reason=type(exc).__name__, message=one_line(exc)) from exc
     if not 200 <= resp.status <= 299:
         try:
             data = _read_bounded(resp, MAX_ERROR_BYTES)
@@ -305,13 +302,13 @@ def request_json(
     try:
         data = _read_bounded(resp, MAX_RESPONSE_BYTES if max_bytes is None else max_bytes)
     except (urllib3.exceptions.HTTPError, OSError) as exc:
-        raise ApiUnavailable(status=0, reason=type(exc).__name__, message=_one_line(exc)) from exc
+        raise ApiUnavailable(status=0, reason=type(exc).__name__, message=one_line(exc)) from exc
     if not data.strip():
         return {}
     try:
         decoded = json.loads(data)
     except ValueError as exc:
-        raise ApiError(status=resp.status, reason="BadResponse", message=f"response is not JSON: {_one_line(exc)}") from exc
+        raise ApiError(status=resp.status, reason="BadResponse", message=f"response is not JSON: {one_line(exc)}") from exc
     if not isinstance(decoded, dict):
         raise ApiError(status=resp.status, reason="BadResponse", message=f"expected a JSON object, got {type(decoded).__name__}")
     return decoded
@@ -403,7 +400,7 @@ class WatchStream:
         except (urllib3.exceptions.HTTPError, OSError, ValueError, AttributeError) as exc:
             if self._closed.is_set():
                 return  # closed on purpose: a clean end, not an error
-            raise ApiUnavailable(status=0, reason=type(exc).__name__, message=_one_line(exc)) from exc
+            raise ApiUnavailable(status=0, reason=type(exc).__name__, message=one_line(exc)) from exc
         finally:
             self.close()
 

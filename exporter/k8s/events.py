@@ -19,6 +19,7 @@ from urllib.parse import quote
 
 import structlog
 
+from ..constants import API_TIMEOUT
 from .connection import ApiClient, ApiError, request_json
 from .names import REPORTING_CONTROLLER
 
@@ -61,7 +62,7 @@ class EventRecorder:
         ev = build_event(regarding=regarding, reason=reason, note=note, action=action, type_="Warning" if warning else "Normal", node=self.node,
                          now=time.time(), namespace=namespace)
         try:
-            out = request_json(self.client, "POST", f"/apis/events.k8s.io/v1/namespaces/{quote(namespace, safe='')}/events", body=ev, timeout=(3.0, 5.0))
+            out = request_json(self.client, "POST", f"/apis/events.k8s.io/v1/namespaces/{quote(namespace, safe='')}/events", body=ev, timeout=API_TIMEOUT)
         except ApiError as e:
             with self._lock:
                 self.failed += 1

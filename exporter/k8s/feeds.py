@@ -13,12 +13,12 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..constants import API_TIMEOUT
 from . import names
 from .connection import ApiClient, ApiError, get_json
 from .taintrules import StoredRule, TaintRuleClient, parse_rule
 from .watch import NodeWatch, OwnedRuleWatch
 
-TIMEOUT = (3.0, 5.0)
 Listener = Callable[[], None]
 
 
@@ -122,7 +122,7 @@ class PolledKillSwitch:
         if time.monotonic() - self._last < self.resync:
             return None
         try:
-            node = get_json(self._client, f"/api/v1/nodes/{self._node}", timeout=TIMEOUT)
+            node = get_json(self._client, f"/api/v1/nodes/{self._node}", timeout=API_TIMEOUT)
         except ApiError as e:
             if e.status != 404:
                 raise

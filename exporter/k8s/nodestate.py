@@ -12,12 +12,12 @@ from typing import Any, NamedTuple, TypedDict
 
 import structlog
 
+from ..constants import API_TIMEOUT
 from . import names
 from .connection import ApiClient, ApiError, get_json, request_json
 
 log = structlog.get_logger(__name__)
 
-TIMEOUT = (3.0, 5.0)
 ADMIN_DELETED_KEY = "admin-deleted"  # ConfigMap data key: JSON {"driver/pool/device": {"at": epoch s, "reason": r}}
 
 DeviceKey = tuple[str, str, str]
@@ -55,7 +55,7 @@ class NodeState:
     def load(self) -> dict[DeviceKey, Deletion]:
         """The remembered deletions. Raises ApiError when the object cannot be read (not 404)."""
         try:
-            obj = get_json(self.client, self._path(self.name), timeout=TIMEOUT)
+            obj = get_json(self.client, self._path(self.name), timeout=API_TIMEOUT)
         except ApiError as e:
             if e.status != 404:
                 raise
@@ -98,7 +98,7 @@ class NodeState:
             self.load()
         if not self._exists:
             try:
-                out = request_json(self.client, "POST", self._path(), body=body, timeout=TIMEOUT)
+                out = request_json(self.client, "POST", self._path(), body=body, timeout=API_TIMEOUT)
             except ApiError as e:
                 if e.status != 409 or _tries <= 1:
                     raise
@@ -107,7 +107,7 @@ class NodeState:
         else:
             body["metadata"]["resourceVersion"] = self._rv
             try:
-                out = request_json(self.client, "PUT", self._path(self.name), body=body, timeout=TIMEOUT)
+                out = request_json(self.client, "PUT", self._path(self.name), body=body, timeout=API_TIMEOUT)
             except ApiError as e:
                 if e.status not in (404, 409) or _tries <= 1:
                     raise

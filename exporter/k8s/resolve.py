@@ -49,6 +49,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..constants import AMD_DRIVER, NVIDIA_DRIVER
 from ..devices.model import DeviceIdentity, Vendor, normalize_pci_bus_id
 from .model import AllocatedDevice, SliceDevice
 
@@ -64,8 +65,6 @@ __all__ = [
     "resolve_device_plugin",
 ]
 
-NVIDIA_DRIVER = "gpu.nvidia.com"
-AMD_DRIVER = "gpu.amd.com"
 PCI_BUS_ID_ATTR = "resource.kubernetes.io/pciBusID"
 
 # v25.12+: the profile token ("1g10gb") always contains letters; the older scheme is all digits.

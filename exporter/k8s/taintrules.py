@@ -23,12 +23,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..constants import API_TIMEOUT
 from . import names
 from .connection import MERGE_PATCH, ApiClient, ApiError, get_json, request_json
 from .discovery import RESOURCE_GROUP, Discovery
 
 PREFERENCE = ("v1", "v1beta2", "v1alpha3")
-TIMEOUT = (3.0, 5.0)
 
 
 class TaintRulesUnavailable(Exception):
@@ -167,7 +167,7 @@ class TaintRuleClient:
 
     def _minor(self) -> int:
         try:
-            info = get_json(self.client, "/version", timeout=TIMEOUT)
+            info = get_json(self.client, "/version", timeout=API_TIMEOUT)
         except ApiError:
             return 0
         m = re.match(r"(\d+)", str(info.get("minor", "")))
@@ -204,7 +204,7 @@ class TaintRuleClient:
             q = {"labelSelector": sel, "limit": 500}
             if cont:
                 q["continue"] = cont
-            out = get_json(self.client, self._base(), q, timeout=TIMEOUT)
+            out = get_json(self.client, self._base(), q, timeout=API_TIMEOUT)
             items.extend(out.get("items") or [])
             cont = (out.get("metadata") or {}).get("continue")
             if not cont:
@@ -216,7 +216,7 @@ class TaintRuleClient:
 
     def get(self, name: str) -> dict[str, Any] | None:
         try:
-            return get_json(self.client, f"{self._base()}/{name}", timeout=TIMEOUT)
+            return get_json(self.client, f"{self._base()}/{name}", timeout=API_TIMEOUT)
         except ApiError as e:
             if e.status == 404:
                 return None
@@ -227,7 +227,7 @@ class TaintRuleClient:
         return parse_rule(obj) if obj is not None else None
 
     def create(self, body: dict[str, Any]) -> dict[str, Any]:
-        return request_json(self.client, "POST", self._base(), body=body, timeout=TIMEOUT)
+        return request_json(self.client, "POST", self._base(), body=body, timeout=API_TIMEOUT)
 
     def create_rule(self, spec: RuleSpec) -> StoredRule:
         body = self.body(spec.name, spec.driver, spec.pool, spec.device, spec.key, spec.value, spec.effect, spec.labels, spec.annotations)
@@ -237,7 +237,7 @@ class TaintRuleClient:
         return created
 
     def patch(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
-        return request_json(self.client, "PATCH", f"{self._base()}/{name}", body=patch, content_type=MERGE_PATCH, timeout=TIMEOUT)
+        return request_json(self.client, "PATCH", f"{self._base()}/{name}", body=patch, content_type=MERGE_PATCH, timeout=API_TIMEOUT)
 
     def patch_rule(self, name: str, change: RuleChange) -> None:
         self.patch(name, {
@@ -250,7 +250,7 @@ class TaintRuleClient:
         if uid:
             body["preconditions"] = {"uid": uid}  # never delete a rule someone recreated meanwhile
         try:
-            request_json(self.client, "DELETE", f"{self._base()}/{name}", body=body, timeout=TIMEOUT)
+            request_json(self.client, "DELETE", f"{self._base()}/{name}", body=body, timeout=API_TIMEOUT)
         except ApiError as e:
             if e.status != 404:
                 raise

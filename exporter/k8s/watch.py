@@ -42,6 +42,8 @@ T = TypeVar("T")
 
 @dataclass
 class WatcherStats:
+    lists: int = 0  # complete lists (a paginated one counts once), the first included
+    watches: int = 0  # watches opened, the first included
     relists: int = 0  # lists after the first (410 Gone, version change, error recovery)
     watch_restarts: int = 0  # watches opened after the first
     malformed_skipped: int = 0  # objects or event lines that could not be parsed
@@ -106,8 +108,6 @@ class Reflector(Generic[T]):
         self._stop = threading.Event()
         self._stream: WatchStream | None = None
         self._thread: threading.Thread | None = None
-        self._lists = 0
-        self._watches = 0
         self._gone_streak = 0  # consecutive 410s without a good event in between
 
     # ------------------------------------------------------------------ hooks
@@ -296,9 +296,9 @@ class Reflector(Generic[T]):
             self._items = items
             self._rv = rv
             self._stats.malformed_skipped += malformed
-            if self._lists:
+            if self._stats.lists:
                 self._stats.relists += 1
-            self._lists += 1
+            self._stats.lists += 1
             self._last_error = None
             self._recompute()
             changed = before != {n: self._rv_of(s) for n, s in items.items()} or not self._synced.is_set()
@@ -328,9 +328,9 @@ class Reflector(Generic[T]):
         stream = stream_watch(self._client, self._path(version), query, self._watch_timeout)
         with self._lock:
             self._stream = stream
-            if self._watches:
+            if self._stats.watches:
                 self._stats.watch_restarts += 1
-            self._watches += 1
+            self._stats.watches += 1
             self._last_error = None
         if self._stop.is_set():  # stop() ran between the request and the assignment above
             stream.close()

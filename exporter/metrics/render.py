@@ -37,6 +37,7 @@ from prometheus_client.utils import floatToGoString
 
 from .. import __version__
 from ..catalog import BY_NAME
+from ..collect import SourceStats
 from ..devices.model import DeviceIdentity
 from ..model.snapshot import AllocationView, Snapshot
 from ..model.usage import DeviceSplit, Usage
@@ -99,6 +100,7 @@ class RenderState:
     xid_counts: Mapping[tuple[str, int], int] = field(default_factory=dict)
     read_errors: Mapping[tuple[str, str], int] = field(default_factory=dict)
     collectors: Mapping[str, tuple[float, bool]] = field(default_factory=dict)
+    sources: Mapping[str, SourceStats] = field(default_factory=dict)  # each source's own request counters
     last_collection: float | None = None
     cycles: int = 0
     taint_rules: tuple[TaintRuleView, ...] = ()
@@ -312,6 +314,8 @@ class SnapshotCollector(Collector):
             ok.add_metric([node, name], 1 if success else 0)
         yield dur
         yield ok
+        if st.sources:
+            yield from self._sources(node, st.sources)
         if st.last_collection is not None:
             t = _fam("dra_gpu_exporter_last_collection_timestamp_seconds")
             t.add_metric([node], st.last_collection)
@@ -329,6 +333,22 @@ class SnapshotCollector(Collector):
             yield lag
         if st.http is not None:
             yield from self._http(node, st.http)
+
+    def _sources(self, node: str, sources: Mapping[str, SourceStats]) -> Iterable[Metric]:
+        req, err = _fam("dra_gpu_exporter_source_requests_total"), _fam("dra_gpu_exporter_source_errors_total")
+        bad = _fam("dra_gpu_exporter_source_malformed_total")
+        relist, restart = _fam("dra_gpu_exporter_source_relists_total"), _fam("dra_gpu_exporter_source_watch_restarts_total")
+        watching = False
+        for name, s in sorted(sources.items()):
+            for verb, n in sorted(s.requests.items()):
+                req.add_metric([node, name, verb], n)
+            err.add_metric([node, name], s.errors)
+            bad.add_metric([node, name], s.malformed)
+            if "watch" in s.requests:  # only a watching source relists or restarts a watch
+                watching = True
+                relist.add_metric([node, name], s.relists)
+                restart.add_metric([node, name], s.watch_restarts)
+        yield from (req, err, bad, relist, restart) if watching else (req, err, bad)
 
     def _http(self, node: str, h: HttpStats) -> Iterable[Metric]:
         o = _fam("dra_gpu_exporter_http_connections_open")

@@ -56,6 +56,8 @@ from typing import Any
 import h11
 import structlog
 
+from ..text import one_line
+
 log = structlog.get_logger(__name__)
 
 ACCEPT_BATCH = 64
@@ -853,7 +855,7 @@ def _peer(p: object) -> tuple[str, str]:
 
 
 def _short(e: BaseException) -> str:
-    return _short_text(f"{type(e).__name__}: {e}")
+    return f"{type(e).__name__}: {one_line(e, limit=200)}"
 
 
 def _short_text(s: str) -> str:

@@ -10,7 +10,8 @@ attributes (product name, PCI bus id, driver version, minor, index, MIG profile)
 exported like any other GPU, with ``gpu_up 0``.
 
 Only asked when enumeration succeeded: when the library cannot enumerate at all, nothing can be
-told apart (the devices collector fails and /readyz says so). Pure: no I/O.
+told apart (the devices collector fails and /readyz says so). No I/O (:class:`LostDevices`
+logs what changes).
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..devices.model import DeviceIdentity, Vendor, normalize_pci_bus_id
+import structlog
+
+from ..devices.model import DeviceIdentity, DeviceReading, ReadError, Vendor, normalize_pci_bus_id
 from ..k8s.model import SliceDevice
 from ..k8s.resolve import NVIDIA_DRIVER, PCI_BUS_ID_ATTR
 
 DeviceKey = tuple[str, str, str]
+
+log = structlog.get_logger(__name__)
 
 
 def _s(v: Any) -> str:
@@ -70,3 +75,35 @@ def lost_devices(slices: Mapping[DeviceKey, SliceDevice], identities: Iterable[D
         if uuid not in local and uuid not in out:
             out[uuid] = (_identity(dev, uuid, parent), dev)
     return out
+
+
+class LostDevices:
+    """The last decision about lost GPUs, re-made only in a cycle whose enumeration succeeded
+    and whose slices are listed; otherwise the last decision stands (a failed enumeration tells
+    nothing about single GPUs)."""
+
+    def __init__(self) -> None:
+        self._lost: dict[str, tuple[DeviceIdentity, SliceDevice]] = {}
+
+    def merge(
+        self,
+        identities: tuple[DeviceIdentity, ...],
+        readings: Mapping[str, DeviceReading],
+        slices: Mapping[DeviceKey, SliceDevice] | None,
+        enumerated: bool,
+    ) -> tuple[tuple[DeviceIdentity, ...], Mapping[str, DeviceReading]]:
+        """The enumerated devices plus the lost ones, each lost one with a ``lost`` reading."""
+        if slices is not None and enumerated:
+            lost = lost_devices(slices, identities)
+            for u in sorted(lost.keys() - self._lost.keys()):
+                ident, dev = lost[u]
+                log.error("gpu_lost_not_enumerated", uuid=u, device=dev.name, pool=dev.pool, parent=ident.parent_uuid or None)
+            for u in sorted(self._lost.keys() - lost.keys()):
+                log.info("gpu_found_again", uuid=u)
+            self._lost = lost
+        if not self._lost:
+            return identities, readings
+        out = dict(readings)
+        for u, (_ident, dev) in self._lost.items():
+            out[u] = DeviceReading.failed(u, ReadError.LOST, f"published by ResourceSlice device {dev.pool}/{dev.name} but not found by the device library")
+        return identities + tuple(ident for ident, _ in self._lost.values()), out

@@ -12,7 +12,8 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from .snapshot import Snapshot
+from ..collect import Collector, Gathered, Slot
+from .snapshot import SNAPSHOT, Snapshot
 
 _POD_UID_RE = re.compile(r"pod([0-9a-fA-F]{8}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{12})")
 
@@ -47,3 +48,22 @@ def process_memory(snap: Snapshot, proc_root: str = "/proc") -> dict[tuple[str, 
             key = (d.uuid, ns, pod)
             out[key] = out.get(key, 0) + (used or 0)
     return out
+
+
+ProcessMemory = Mapping[tuple[str, str, str], int]  # (uuid, namespace, pod) -> bytes
+PROCESSES: Slot[ProcessMemory] = Slot("processes")
+
+
+class ProcessCollector(Collector[ProcessMemory]):
+    """Per-process attribution (``--per-process``): runs after the join, on its snapshot (the
+    processes the device library reported, and the node's pod UIDs)."""
+
+    def __init__(self, proc_root: str = "/proc") -> None:
+        super().__init__(PROCESSES)
+        self.proc_root = proc_root
+
+    def collect(self, found: Gathered) -> ProcessMemory:
+        snap = found.get(SNAPSHOT)
+        if snap is None:
+            raise RuntimeError("no joined snapshot to attribute processes in")
+        return process_memory(snap, self.proc_root)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ..collect import Slot
 from ..devices.model import DeviceIdentity, DeviceReading
 from ..health.model import DeviceHealth
 
@@ -106,3 +107,7 @@ class Snapshot:
             if d.uuid == uuid:
                 return d
         return None
+
+
+#: the cycle's joined snapshot, for the collectors that run after the join (per-process memory)
+SNAPSHOT: Slot[Snapshot] = Slot("snapshot")
