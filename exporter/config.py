@@ -498,6 +498,12 @@ NODE_FAULT_WINDOW = Flag(
     help="GPU failures this close together count together for the node-wide test",
     doc="GPU failures at most this far apart count together: more than half of the node's GPUs failing within it is a node-wide fault (NoSchedule only)",
 )
+EVICTION_GRACE_SECONDS = Flag(
+    "eviction-grace-seconds", Number(0, _SECONDS_A_WEEK), 60.0, metavar="S",
+    help="a pod still on a NoExecute device this long after its taint (and its toleration) is looked up and told in a Warning Event",
+    doc="a pod still holding a device this long after the agent's NoExecute taint (after its `tolerationSeconds`, if it tolerates it) "
+    "is read by name and a Warning Event `GPUEvictionOverdue` says why it stays (an extended-resource claim, a toleration, a controller)",
+)
 HUNG_AFTER = Flag(
     "hung-after", Number(0, 3600), 30.0, metavar="SECONDS",
     help="a device call stuck this long, while the agent itself gets CPU, makes the device driver_hung (fatal)",
@@ -554,7 +560,7 @@ TIME_SCALE = Flag(
 FLAGS: tuple[Flag[Any], ...] = (
     LISTEN, INTERVAL, BACKEND, TAINT_MODE, LOG_FORMAT, LOG_LEVEL, CALL_TIMEOUT, PER_PROCESS, POD_LABEL_ALLOWLIST,
     EXCLUDE_METRICS, DCGM_COMPAT_LABELS, TAINT_RATE_LIMIT, TAINT_BUDGET_FRACTION, TAINT_HOLD_SECONDS,
-    TAINT_SETTLE_SECONDS, NODE_FAULT_WINDOW, HUNG_AFTER, FAULT_CLEAR_SECONDS, STUCK_READING_SECONDS, WEB_CONFIG_FILE,
+    TAINT_SETTLE_SECONDS, NODE_FAULT_WINDOW, EVICTION_GRACE_SECONDS, HUNG_AFTER, FAULT_CLEAR_SECONDS, STUCK_READING_SECONDS, WEB_CONFIG_FILE,
     NODE_NAME, KUBELET_SOCKET, KUBECONFIG, SCENARIO, TIME_SCALE,
 )
 
@@ -582,6 +588,7 @@ class Config:
     taint_hold_seconds: float = TAINT_HOLD_SECONDS.default
     taint_settle_seconds: float = TAINT_SETTLE_SECONDS.default
     node_fault_window: float = NODE_FAULT_WINDOW.default
+    eviction_grace_seconds: float = EVICTION_GRACE_SECONDS.default
     hung_after: float = HUNG_AFTER.default
     fault_clear_seconds: float = FAULT_CLEAR_SECONDS.default
     stuck_reading_seconds: float = STUCK_READING_SECONDS.default

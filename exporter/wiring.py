@@ -158,7 +158,7 @@ def remediation_policy(cfg: Config, resync: float = 30.0) -> RemediationPolicy:
     return RemediationPolicy(
         node=cfg.node_name, mode=cfg.taint_mode, hold=cfg.taint_hold_seconds, settle=cfg.taint_settle_seconds,
         node_fault_window=cfg.node_fault_window, node_failure_fraction=cfg.node_failure_fraction, rate_limit=cfg.taint_rate_limit,
-        rate_window=cfg.taint_rate_window, interval=cfg.interval, resync=resync,
+        rate_window=cfg.taint_rate_window, interval=cfg.interval, resync=resync, eviction_grace=cfg.eviction_grace_seconds,
     )
 
 
@@ -182,6 +182,7 @@ def build_remediator(
     from procfs unless given)."""
     # (imported here, like the other Kubernetes parts: only an agent with an API pays for them)
     from .k8s.budget import ClusterBudget
+    from .k8s.claims import ClaimCache
     from .k8s.events import EventRecorder
     from .k8s.feeds import ListedRules, PolledKillSwitch, WatchedKillSwitch, WatchedRules
     from .k8s.nodestate import NodeState
@@ -200,5 +201,5 @@ def build_remediator(
     return Remediator(
         remediation_policy(cfg, resync), health, rules, EventRecorder(api, node), feed, kill, budget,
         node_state=NodeState(api, ns, node) if node_state else None, boot=boot or read_boot_identity(), clock=clock,
-        pods=PodFacts(api),
+        pods=PodFacts(api, claims=lambda: ClaimCache(api, discovery=discovery)),
     )

@@ -113,8 +113,8 @@ def test_an_extended_resource_pod_that_noexecute_does_not_evict_is_counted_told_
     assert rev["regarding"]["kind"] == "DeviceTaintRule" and rev["regarding"]["name"] == rules["gpu-2"]["metadata"]["name"]
     assert "pod ml/legacy-trainer still holds gpu.nvidia.com/eviction-node/gpu-2" in rev["note"]
     # ... and only once, however many passes go by; the evicted pod was never told
-    passes = agent.src.remediation.passes
-    wait_until(lambda: agent.src.remediation.passes >= passes + 5, timeout=60, message="more passes")
+    passes = agent.out.remediation.passes
+    wait_until(lambda: agent.out.remediation.passes >= passes + 5, timeout=60, message="more passes")
     assert len(told()[0]) == 1 and len(told()[1]) == 1
     assert not [e for e in cluster.api.list("events.k8s.io", "events") if e["reason"] == EVENT_REASON and "trainer" == e["regarding"].get("name")]
     # every object the agent sent passed the strict schema check, the Events included

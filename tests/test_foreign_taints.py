@@ -101,9 +101,9 @@ def test_the_amd_drivers_taints_and_foreign_rules_are_no_health_no_budget_and_no
             agent = build_agent(cfg, backend=AmdSmiBackend(), remediation_resync=0.2)
             agent.start(serve=True)
             try:
-                rem = agent.src.remediation
+                rem = agent.out.remediation
                 assert rem is not None
-                wait_until(lambda: agent.src.slices.synced and rem.passes >= 1 and agent.cycles >= 3, timeout=60, message="the agent settled")
+                wait_until(lambda: agent.src.get("slices").watcher.synced and rem.passes >= 1 and agent.cycles >= 3, timeout=60, message="the agent settled")
                 for _ in range(3):  # passes on purpose: a quiet node's remediator does not run one per cycle
                     n = rem.passes
                     rem.poke()

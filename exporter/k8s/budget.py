@@ -130,8 +130,10 @@ class ClusterBudget:
         rng: Callable[[], float] = random.random,
         spread: float = SPREAD,
         watch_backoff: tuple[float, float] = (5.0, 120.0),
+        first_read: float = FIRST_READ,
     ) -> None:
         self.client = client
+        self.first_read = first_read
         self.namespace = namespace
         self.name = name
         self.default_capacity = taint_budget_max
@@ -215,7 +217,7 @@ class ClusterBudget:
     def take(self, holder: str) -> bool:
         key = holder_key(holder)
         watch, _ = self._open_watch()
-        deadline = time.monotonic() + FIRST_READ
+        deadline = time.monotonic() + self.first_read
         while not watch.synced and not watch.last_error and time.monotonic() < deadline:
             watch.wait_synced(0.05)  # the list is on its way; a failing one is not waited for
         if not watch.synced:
