@@ -165,10 +165,10 @@ class Agent:
             value: T | None = c.collect(found)
         except Degraded as e:
             # The source answered with data it knows to be incomplete or old: use it, report it.
-            st.failed(c.name, time.perf_counter() - t0, e, "collector_degraded")
+            st.failed(c.name, time.perf_counter() - t0, e, degraded=True)
             return found.with_value(c.slot, cast("T", e.result), fresh=True)  # a collector raises its own type
         except Exception as e:
-            st.failed(c.name, time.perf_counter() - t0, e, "collector_failed")
+            st.failed(c.name, time.perf_counter() - t0, e)
             kept = self.found.get(c.slot) if c.keep_for > 0 else None
             if kept is not None and (st.last_success is None or time.monotonic() - st.last_success > c.keep_for):
                 log.warning("collector_data_expired", collector=c.name, grace_seconds=c.keep_for)

@@ -112,10 +112,11 @@ class CollectorStatus:
     error: str = ""
     last_success: float | None = None  # monotonic
 
-    def failed(self, name: str, duration: float, error: Exception, event: str) -> None:
+    def failed(self, name: str, duration: float, error: Exception, degraded: bool = False) -> None:
+        """``degraded``: the source still answered, with data it knows to be old or incomplete."""
         self.duration = duration
         if self.success or self.error != str(error):  # logged when it starts or changes, not every cycle
-            log.warning(event, collector=name, error=str(error))
+            log.warning("collector_degraded" if degraded else "collector_failed", collector=name, error=str(error))
         self.success, self.error = False, str(error)
 
     def succeeded(self, name: str, duration: float) -> None:

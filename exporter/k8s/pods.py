@@ -169,11 +169,11 @@ class PodFacts:
     eviction, once per pod and deadline, so a node with no such pod costs nothing, and a
     dense node's pod list (hundreds of pods, pages of JSON) is never fetched for it.
     ``resourceVersion=0`` answers from the API server's watch cache. The claim comes from a
-    :class:`~exporter.k8s.claims.ClaimCache` of its own (made on first use: an agent that never
-    has such a pod never discovers the resource.k8s.io version for it).
+    :class:`~exporter.k8s.claims.ClaimCache` that ``claims`` makes on first use (wiring gives it
+    the agent's one Discovery; an agent that never has such a pod never builds it).
     """
 
-    def __init__(self, client: ApiClient, claims: Callable[[], ClaimLookup] | None = None) -> None:
+    def __init__(self, client: ApiClient, claims: Callable[[], ClaimLookup]) -> None:
         self._client = client
         self._make_claims = claims
         self._claims: ClaimLookup | None = None
@@ -191,10 +191,5 @@ class PodFacts:
     def claim(self, namespace: str, name: str) -> ClaimInfo | None:
         """The claim (cached once read), or None when it does not exist or cannot be read."""
         if self._claims is None:
-            if self._make_claims is not None:
-                self._claims = self._make_claims()
-            else:
-                from .claims import ClaimCache
-
-                self._claims = ClaimCache(self._client)
+            self._claims = self._make_claims()  # on first use: most agents never ask
         return self._claims.get(namespace, name)
