@@ -52,8 +52,9 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from ..devices.model import DeviceIdentity, Vendor
 from .snapshot import Snapshot
@@ -310,15 +311,26 @@ class _Plan:
                     src[i], coef[i] = slot, c
                 else:
                     extra.append((i, slot, c))
-        self.time, self.src, self.coef, self.extra = tuple(tcoef), tuple(src), tuple(coef), tuple(extra)
+        self.time, self.coef, self.extra = tuple(tcoef), tuple(coef), tuple(extra)
+        self.src = _picker(src)
 
     def values(self, amounts: tuple[float, ...], elapsed: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """(joules, device-seconds) in key order, given each source's amount since the plan."""
-        seconds = tuple(map(operator.add, self.base_seconds, map(float(elapsed).__mul__, self.time)))
-        joules = list(map(operator.add, self.base_joules, map(operator.mul, self.coef, map(amounts.__getitem__, self.src))))
-        for i, slot, c in self.extra:
-            joules[i] += c * amounts[slot]
-        return tuple(joules), seconds
+        seconds = tuple(map(operator.add, self.base_seconds, map(operator.mul, self.time, repeat(float(elapsed)))))
+        joules = tuple(map(operator.add, self.base_joules, map(operator.mul, self.coef, self.src(amounts))))
+        if self.extra:
+            more = list(joules)
+            for i, slot, c in self.extra:
+                more[i] += c * amounts[slot]
+            joules = tuple(more)
+        return joules, seconds
+
+
+def _picker(slots: list[int]) -> Callable[[tuple[float, ...]], tuple[float, ...]]:
+    """The amounts of these slots, as a tuple: one itemgetter call (a third of a map's cost)."""
+    if len(slots) >= 2:
+        return operator.itemgetter(*slots)
+    return lambda amounts: tuple(amounts[i] for i in slots)
 
 
 class _Running:
