@@ -194,6 +194,15 @@ def device_weights(identities: Iterable[DeviceIdentity]) -> dict[str, tuple[str,
 
 def split_devices(snap: Snapshot, process_memory: ProcessMemory | None = None) -> tuple[DeviceSplit, ...]:
     """Every held device of the snapshot, who holds it and how its figures are split. Pure."""
+    return _split(_holders(snap), process_memory)
+
+
+# One held device as the allocations and the devices alone make it: (uuid, its GPU, weight,
+# fraction, holder -> its pods, the equal split). What --per-process memory cannot move.
+Held = tuple[str, str, float, float, dict[tuple[str, str, str], set[str]], tuple[Part, ...]]
+
+
+def _holders(snap: Snapshot) -> tuple[Held, ...]:
     weights = device_weights(d.identity for d in snap.devices)
     # device -> holder -> its pods; a holder is a claim (namespace, claim, "") or a device-plugin
     # pod (namespace, "", pod)
@@ -213,13 +222,19 @@ def split_devices(snap: Snapshot, process_memory: ProcessMemory | None = None) -
         gpu, w = weights[uuid]
         total = per_gpu[gpu]
         units = held[uuid]
-        time = _equal(units)
+        out.append((uuid, gpu, w, w / total if total > 1.0 else w, units, _equal(units)))
+    return tuple(out)
+
+
+def _split(holders: tuple[Held, ...], process_memory: ProcessMemory | None) -> tuple[DeviceSplit, ...]:
+    out = []
+    for uuid, gpu, w, fraction, units, time in holders:
         usage, rule = time, EQUAL
         if process_memory is not None:
             by_process = _per_process(uuid, units, process_memory)
             if by_process is not None:
                 usage, rule = by_process, PER_PROCESS
-        out.append(DeviceSplit(uuid=uuid, gpu=gpu, weight=w, fraction=w / total if total > 1.0 else w, rule=rule, usage=usage, time=time))
+        out.append(DeviceSplit(uuid=uuid, gpu=gpu, weight=w, fraction=fraction, rule=rule, usage=usage, time=time))
     return tuple(out)
 
 
@@ -290,29 +305,36 @@ class _Plan:
 
     def __init__(self, keys: tuple[tuple[str, str], ...], joules: Mapping[tuple[str, str], float], seconds: Mapping[tuple[str, str], float],
                  time: Column, gpus: Iterable[Column], zero_slot: int) -> None:
-        pos = {k: i for i, k in enumerate(keys)}
         self.keys = keys
-        self.base_joules = tuple(map(joules.__getitem__, keys))
-        self.base_seconds = tuple(map(seconds.__getitem__, keys))
-        tcoef = [0.0] * len(keys)
-        for k, c in zip(*time, strict=True):
-            if (i := pos.get(k)) is not None:
-                tcoef[i] = c
-        # every holder's first GPU term in columns (one product per holder, in C); a holder
-        # without one draws on the zero slot, whose amount stays 0.0; further terms in ``extra``
-        src, coef = [zero_slot] * len(keys), [0.0] * len(keys)
+        get_j, get_s = joules.__getitem__, seconds.__getitem__
+        self.base_joules = tuple(map(get_j, keys))
+        self.base_seconds = tuple(map(get_s, keys))
+        times = dict(zip(*time, strict=True))
+        self.time = tuple(map(times.get, keys, repeat(0.0)))
+        # Every holder's first GPU term (in slot order) in columns: one product per holder, in
+        # C. A holder without one draws on the zero slot, whose amount stays 0.0; a holder on
+        # several GPUs (a pod whose claims sit on two) has its further terms in ``extra``.
+        # Made with dict updates in C: under --per-process the shares move with the processes'
+        # memory, and a plan is made every cycle.
+        cols = list(gpus)
+        src: dict[tuple[str, str], int] = {}
+        coef: dict[tuple[str, str], float] = {}
+        for slot in range(len(cols) - 1, -1, -1):  # backwards: the first slot's term wins
+            gkeys, gcoefs = cols[slot]
+            src.update(zip(gkeys, repeat(slot)))
+            coef.update(zip(gkeys, gcoefs, strict=True))
         extra: list[tuple[int, int, float]] = []
-        for slot, (gkeys, gcoefs) in enumerate(gpus):
-            for k, c in zip(gkeys, gcoefs, strict=True):
-                i = pos.get(k)
-                if i is None:  # expired since the GPU's last reading (a gap longer than the retention)
-                    continue
-                if src[i] == zero_slot:
-                    src[i], coef[i] = slot, c
-                else:
-                    extra.append((i, slot, c))
-        self.time, self.coef, self.extra = tuple(tcoef), tuple(coef), tuple(extra)
-        self.src = _picker(src)
+        if sum(len(c[0]) for c in cols) > len(src):
+            pos = {k: i for i, k in enumerate(keys)}
+            for slot, (gkeys, gcoefs) in enumerate(cols):
+                for k, c in zip(gkeys, gcoefs, strict=True):
+                    # a holder's other GPUs; and none for one expired since the GPU's last
+                    # reading (a gap longer than the retention)
+                    if src[k] != slot and (i := pos.get(k)) is not None:
+                        extra.append((i, slot, c))
+        self.coef = tuple(map(coef.get, keys, repeat(0.0)))
+        self.src = _picker(list(map(src.get, keys, repeat(zero_slot))))
+        self.extra = tuple(extra)
 
     def values(self, amounts: tuple[float, ...], elapsed: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """(joules, device-seconds) in key order, given each source's amount since the plan."""
@@ -356,7 +378,10 @@ class _Running:
         for k in joules:
             if k not in current and k not in gone:
                 gone[k] = left
-        self.keys = tuple(sorted(joules))
+        # holding only adds keys: none added, the same keys keep their tuple (the renderer's
+        # label tuples are remade when it is another)
+        if len(joules) != len(self.keys):
+            self.keys = tuple(sorted(joules))
 
     def fold(self, plan: _Plan, amounts: tuple[float, ...], elapsed: float) -> None:
         """Take what the sources added under ``plan`` into the totals: the values it gives now."""
@@ -408,7 +433,7 @@ class UsageAccountant:
         self._unattributed = 0.0
         # the last splits and what they were made from (the join hands back the very same
         # allocations tuple while nothing moved, see JoinMemo)
-        self._memo: tuple[object, object, object, tuple[DeviceSplit, ...]] | None = None
+        self._memo: tuple[object, object, object, tuple[DeviceSplit, ...], tuple[Held, ...]] | None = None
         self._gpu_coef: dict[str, Coefficients] = {}  # of the current splits, per physical GPU
         self._split_time_coef: Coefficients = _NONE  # of the current splits
         self._physical: tuple[tuple[str, int], ...] = ()  # (uuid, position in snap.devices) of each physical GPU
@@ -498,18 +523,27 @@ class UsageAccountant:
 
     def _splits(self, snap: Snapshot, process_memory: ProcessMemory | None, prev: float | None, now: float) -> tuple[tuple[DeviceSplit, ...], bool]:
         """This cycle's splits, remade only when the holders, the devices or the process memory
-        moved; and whether they were."""
+        moved (only the per-process usage splits when only the memory did); and whether they were."""
         idents = [d.identity for d in snap.devices]
         memo = self._memo
-        if memo is not None and memo[0] is snap.allocations and memo[2] == process_memory and memo[1] == idents:
-            return memo[3], False
-        splits = split_devices(snap, process_memory)
-        self._memo = (snap.allocations, idents, None if process_memory is None else dict(process_memory), splits)
-        self._physical = tuple((i.uuid, n) for n, i in enumerate(idents) if not i.is_partition)
+        same_holders = memo is not None and memo[0] is snap.allocations and memo[1] == idents
+        if memo is not None and same_holders:
+            if memo[2] == process_memory:
+                return memo[3], False
+            holders = memo[4]
+        else:
+            holders = _holders(snap)
+        splits = _split(holders, process_memory)
+        self._memo = (snap.allocations, idents, None if process_memory is None else dict(process_memory), splits, holders)
         by_gpu: dict[str, list[DeviceSplit]] = {}
         for s in splits:
             by_gpu.setdefault(s.gpu, []).append(s)
         self._gpu_coef = {gpu: _coefficients(ss, time=False) for gpu, ss in by_gpu.items()}
+        if same_holders:
+            # The same holders: the time split (always equal), its coefficients and the set of
+            # claims and pods with counters are what they were.
+            return splits, True
+        self._physical = tuple((i.uuid, n) for n, i in enumerate(idents) if not i.is_partition)
         self._split_time_coef = _coefficients(splits, time=True)
         # Every claim the join exports has counters (a claim whose devices did not resolve stays
         # at 0), and so has every pod of those claims and every holder of a device.
