@@ -1,6 +1,7 @@
 """What the hand-written renderer saves over prometheus_client's ``generate_latest``.
 
     python bench/render_cost.py [--cycles 60] [--intervals 1 5] [--node dense|8gpu]
+    python bench/render_cost.py --billing [--cycles 200] [--intervals 1] [--node dense|8gpu]
 
 The dense node (64 devices, 256 pods, 512 claims: bench/run.py's ``big_scenario``; or its
 8-GPU node, 32 pods and 32 claims), the real
@@ -17,6 +18,13 @@ back to back in this process, CPU time (time.process_time) of each:
 
 Building the families (the collector's rows) costs both the same and is not counted. Prints p50
 and p90 per cycle and the difference as a share of one core at each interval.
+
+``--billing``: what the billing counters (exporter/model/usage.py) cost a cycle, alone, the
+thread's CPU (time.thread_time) of each part, over the same snapshots of the node's cycles:
+the accountant's update, the billing families (their totals worked out and their rows:
+SnapshotCollector._usage) and rendering them with one Renderer kept across cycles (the
+bytes joined on a scrape, not counted). Every counter moves each cycle, so this is the
+renderer's moved-values path.
 """
 
 from __future__ import annotations
@@ -87,14 +95,61 @@ def measure(cycles: int, interval: float, scenario: dict) -> dict:
     }
 
 
+def measure_billing(cycles: int, interval: float, scenario: dict) -> dict:
+    from exporter.metrics.render import Renderer
+    from exporter.model.usage import UsageAccountant
+
+    node = Node(scenario, interval=3600)
+    node.start(serve=False)
+    node.clock.pause()
+    snaps = []
+    try:
+        for _ in range(cycles + 5):
+            node.clock.advance_to(node.clock.now() + interval)
+            snaps.append(node.agent.run_cycle())
+    finally:
+        node.stop()
+    acc, renderer = UsageAccountant(), Renderer()
+    parts: dict[str, list[float]] = {"update": [], "families": [], "render": []}
+    fams = []
+    for i, snap in enumerate(snaps):
+        c0 = time.thread_time()
+        usage = acc.update(snap)
+        c1 = time.thread_time()
+        fams = list(renderer.collector._usage(snap.node, usage))
+        c2 = time.thread_time()
+        renderer.render_families(fams)
+        c3 = time.thread_time()
+        if i >= 5:  # the first cycles make the plans and format every series: start-up
+            for k, t in zip(parts, (c1 - c0, c2 - c1, c3 - c2), strict=True):
+                parts[k].append(t)
+    series = sum(len(f.samples) for f in fams)
+    total = [sum(ts) for ts in zip(*parts.values(), strict=True)]
+    out = {"interval_s": interval, "cycles": cycles, "series": series, "total_p50_ms": pct(total, 50) * 1e3, "total_p90_ms": pct(total, 90) * 1e3}
+    out.update({f"{k}_p50_ms": pct(v, 50) * 1e3 for k, v in parts.items()})
+    out["percent_core"] = pct(total, 50) * 100 / interval
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cycles", type=int, default=60)
     ap.add_argument("--intervals", type=float, nargs="+", default=[1.0, 5.0])
     ap.add_argument("--node", choices=["dense", "8gpu"], default="dense")
+    ap.add_argument("--billing", action="store_true", help="the billing counters' own cost a cycle (accountant, families, render)")
     a = ap.parse_args()
     configure("json", "error")
     for interval in a.intervals:
+        if a.billing:
+            r = measure_billing(a.cycles, interval, big_scenario() if a.node == "dense" else eight_gpus())
+            r["node"] = a.node
+            print(json.dumps(r))
+            print(
+                f"{a.node} node at {interval:g} s, billing ({r['series']} series) per cycle, thread CPU p50: update {r['update_p50_ms']:.2f} ms, "
+                f"families {r['families_p50_ms']:.2f} ms, render {r['render_p50_ms']:.2f} ms; total p50 / p90 {r['total_p50_ms']:.2f} / {r['total_p90_ms']:.2f} ms, "
+                f"{r['percent_core']:.3f} % of a core"
+            )
+            continue
         r = measure(a.cycles, interval, big_scenario() if a.node == "dense" else eight_gpus())
         r["node"] = a.node
         print(json.dumps(r))

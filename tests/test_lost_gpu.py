@@ -20,7 +20,10 @@ from drasim import objects
 from drasim.kubelet import FakeKubelet
 from drasim.scenario import parse_scenario
 from exporter.config import Config, TaintMode
+from exporter.devices.model import DeviceIdentity, Vendor
 from exporter.devices.nvml import NvmlBackend
+from exporter.k8s.model import SliceDevice
+from exporter.model.lost import LostDevices
 from exporter.wiring import build_agent
 
 SCENARIO = {
@@ -102,3 +105,38 @@ def test_a_gpu_lost_before_start_is_fatal_with_series_from_the_first_cycle():
             agent.stop()
         kubelet.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_the_decision_is_remade_when_a_slice_device_or_the_enumeration_changes():
+    """LostDevices re-decides only when its inputs change; a republished slice device whose uuid
+    changed compares equal (SliceDevice leaves attributes out of ==) and must still be seen."""
+    nv = "gpu.nvidia.com"
+
+    def dev(name: str, uuid: str) -> SliceDevice:
+        return SliceDevice(driver=nv, pool="node", name=name, attributes={f"{nv}/uuid": uuid})
+
+    def ident(uuid: str) -> DeviceIdentity:
+        return DeviceIdentity(uuid=uuid, vendor=Vendor.NVIDIA, model="H100", pci_bus_id="", index=0)
+
+    def uuids(ids: tuple[DeviceIdentity, ...]) -> list[str]:
+        return [i.uuid for i in ids]
+
+    lost = LostDevices()
+    g0, g1 = dev("gpu-0", "GPU-0"), dev("gpu-1", "GPU-1")
+    seen = (ident("GPU-0"),)
+    ids, readings = lost.merge(seen, {}, {g0.key: g0, g1.key: g1}, enumerated=True)
+    assert uuids(ids) == ["GPU-0", "GPU-1"] and readings["GPU-1"].error is not None
+    # the same devices in a fresh mapping, as the slice watch hands them over each cycle
+    assert uuids(lost.merge(seen, {}, {g0.key: g0, g1.key: g1}, enumerated=True)[0]) == ["GPU-0", "GPU-1"]
+    # gpu-1 republished with another uuid
+    g1b = dev("gpu-1", "GPU-9")
+    assert g1b == g1
+    assert uuids(lost.merge(seen, {}, {g0.key: g0, g1b.key: g1b}, enumerated=True)[0]) == ["GPU-0", "GPU-9"]
+    # GPU-9 enumerated after all: not lost any more
+    both = (ident("GPU-0"), ident("GPU-9"))
+    ids, readings = lost.merge(both, {}, {g0.key: g0, g1b.key: g1b}, enumerated=True)
+    assert uuids(ids) == ["GPU-0", "GPU-9"] and "GPU-9" not in readings
+    assert uuids(lost.merge(seen, {}, {g0.key: g0, g1b.key: g1b}, enumerated=True)[0]) == ["GPU-0", "GPU-9"]
+    # a failed enumeration decides nothing: the last decision (GPU-9 lost) stands
+    ids, readings = lost.merge((), {}, {g0.key: g0, g1b.key: g1b}, enumerated=False)
+    assert uuids(ids) == ["GPU-9"] and readings["GPU-9"].error is not None

@@ -214,6 +214,22 @@ def test_names_help_and_values_escape_as_prometheus_client(counter, name, doc, l
     assert exp.openmetrics == om.generate_latest(Families([fam]))
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.booleans(), st.sampled_from(["moved", "x:y", "ünï"]), st.lists(st.lists(number, min_size=3, max_size=3), min_size=2, max_size=8))
+def test_moved_values_of_the_same_series_print_as_prometheus_client(counter, name, renders):
+    """The path that remakes only the lines of moved values (the same series in the same order
+    as the last render: counters, readings), render after render, byte for byte; also for a name
+    whose two formats' sample lines differ."""
+    r = Renderer()
+    for values in renders:
+        fam = (Counter if counter else Gauge)(name, "h", labels=["k"])
+        fam.add_rows([(("a",), values[0]), (("b",), values[1])])
+        fam.add_metric(["c"], values[2])
+        exp = r.render_families([fam])
+        assert exp.body == generate_latest(Families([fam])), values
+        assert exp.openmetrics == om.generate_latest(Families([fam])), values
+
+
 def test_vanished_series_and_families_are_dropped_at_once():
     """A series (and a whole family) that a cycle no longer yields is gone from that cycle's
     bytes and from the renderer's caches; one that comes back is formatted afresh."""

@@ -221,6 +221,22 @@ def test_a_claim_back_within_the_retention_continues_its_counters():
     assert u.claims.get(("ml", "c")) == (300.0, 20.0)  # 0-10 and 10-20; nobody held it 20-30
 
 
+def test_a_clock_step_back_counts_no_time_and_the_last_holders_keep_the_interval():
+    # The holders change at a cycle whose clock stepped back: that cycle counts no time, and the
+    # interval up to the next cycle still goes to the holders of the last cycle whose clock had
+    # not (the splits are summed per source between changes: the switch must still happen).
+    acc = UsageAccountant()
+    a, b = (dra("ml", "a", "first", G0.uuid),), (dra("ml", "b", "second", G0.uuid),)
+    acc.update(snap(0, a))
+    acc.update(snap(10, a))
+    u = acc.update(snap(5, b))
+    assert u.claims.get(("ml", "first")) == (0.0, 10.0) and u.claims.get(("ml", "second")) == (0.0, 0.0)
+    u = acc.update(snap(20, b))
+    assert u.claims.get(("ml", "first")) == (0.0, 20.0) and u.claims.get(("ml", "second")) == (0.0, 0.0)
+    u = acc.update(snap(30, b))
+    assert u.claims.get(("ml", "first")) == (0.0, 20.0) and u.claims.get(("ml", "second")) == (0.0, 10.0)
+
+
 def test_gone_holders_are_capped_in_a_churn_storm():
     acc = UsageAccountant(retention=600.0, max_gone=10)
     for i in range(40):

@@ -16,6 +16,7 @@ logs what changes).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -77,6 +78,12 @@ def lost_devices(slices: Mapping[DeviceKey, SliceDevice], identities: Iterable[D
     return out
 
 
+def _same_objects(a: Mapping[DeviceKey, SliceDevice], b: Mapping[DeviceKey, SliceDevice]) -> bool:
+    """The same keys with the very same device objects. Not ``==``: a SliceDevice compares
+    without its attributes, and a republished device's uuid is an attribute."""
+    return a is b or (len(a) == len(b) and all(map(operator.is_, map(b.get, a), a.values())))
+
+
 class LostDevices:
     """The last decision about lost GPUs, re-made only in a cycle whose enumeration succeeded
     and whose slices are listed; otherwise the last decision stands (a failed enumeration tells
@@ -84,6 +91,11 @@ class LostDevices:
 
     def __init__(self) -> None:
         self._lost: dict[str, tuple[DeviceIdentity, SliceDevice]] = {}
+        # What the last decision was made from: the same slice devices and identities make the
+        # same decision. On a steady node the slice watch hands over the very same SliceDevice
+        # objects every cycle, so asking is a pointer check per device, in C, instead of
+        # walking every slice device's attributes (0.1 ms of a dense cycle).
+        self._from: tuple[Mapping[DeviceKey, SliceDevice], tuple[DeviceIdentity, ...]] | None = None
 
     def merge(
         self,
@@ -93,8 +105,9 @@ class LostDevices:
         enumerated: bool,
     ) -> tuple[tuple[DeviceIdentity, ...], Mapping[str, DeviceReading]]:
         """The enumerated devices plus the lost ones, each lost one with a ``lost`` reading."""
-        if slices is not None and enumerated:
+        if slices is not None and enumerated and (self._from is None or self._from[1] != identities or not _same_objects(self._from[0], slices)):
             lost = lost_devices(slices, identities)
+            self._from = (slices, identities)
             for u in sorted(lost.keys() - self._lost.keys()):
                 ident, dev = lost[u]
                 log.error("gpu_lost_not_enumerated", uuid=u, device=dev.name, pool=dev.pool, parent=ident.parent_uuid or None)

@@ -52,8 +52,9 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from itertools import repeat
 
 from ..devices.model import DeviceIdentity, Vendor
 from .snapshot import Snapshot
@@ -86,14 +87,47 @@ class DeviceSplit:
     time: tuple[Part, ...]  # split of allocated time (always equal); shares add up to 1
 
 
-@dataclass(frozen=True)
 class Totals:
     """Running totals of one kind of holder (claims or pods), in key order. Column tuples: the
-    renderer pairs them with its cached label tuples without a loop of its own."""
+    renderer pairs them with its cached label tuples without a loop of its own.
 
-    keys: tuple[tuple[str, str], ...] = ()  # (namespace, claim) or (namespace, pod), sorted
-    joules: tuple[float, ...] = ()
-    seconds: tuple[float, ...] = ()  # device-seconds
+    Made by the accountant as a *lazy* view (:meth:`lazy`): the values are worked out from the
+    totals as of the last change of holders plus what each GPU and the clock added since, the
+    first time anyone asks, and kept. A cycle that nobody renders costs them nothing. Immutable:
+    a second thread asking at the same time computes the same tuples.
+    """
+
+    __slots__ = ("_joules", "_plan", "_seconds", "keys")
+
+    def __init__(self, keys: tuple[tuple[str, str], ...] = (), joules: tuple[float, ...] = (), seconds: tuple[float, ...] = ()) -> None:
+        self.keys = keys  # (namespace, claim) or (namespace, pod), sorted
+        self._joules: tuple[float, ...] | None = joules
+        self._seconds: tuple[float, ...] | None = seconds  # device-seconds
+        self._plan: tuple[_Plan, tuple[float, ...], float] | None = None
+
+    @classmethod
+    def lazy(cls, plan: _Plan, amounts: tuple[float, ...], elapsed: float) -> Totals:
+        t = cls(plan.keys)
+        t._joules = t._seconds = None
+        t._plan = (plan, amounts, elapsed)
+        return t
+
+    def _values(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        joules, seconds = self._joules, self._seconds
+        if joules is None or seconds is None:
+            assert self._plan is not None
+            plan, amounts, elapsed = self._plan
+            joules, seconds = plan.values(amounts, elapsed)
+            self._joules, self._seconds = joules, seconds
+        return joules, seconds
+
+    @property
+    def joules(self) -> tuple[float, ...]:
+        return self._values()[0]
+
+    @property
+    def seconds(self) -> tuple[float, ...]:
+        return self._values()[1]
 
     def get(self, key: tuple[str, str]) -> tuple[float, float] | None:
         """(joules, device-seconds) of one claim or pod; None if it has no series."""
@@ -101,10 +135,12 @@ class Totals:
             i = self.keys.index(key)
         except ValueError:
             return None
-        return self.joules[i], self.seconds[i]
+        joules, seconds = self._values()
+        return joules[i], seconds[i]
 
     def as_dict(self) -> dict[tuple[str, str], tuple[float, float]]:
-        return {k: (j, s) for k, j, s in zip(self.keys, self.joules, self.seconds, strict=True)}
+        joules, seconds = self._values()
+        return {k: (j, s) for k, j, s in zip(self.keys, joules, seconds, strict=True)}
 
 
 @dataclass(frozen=True)
@@ -112,8 +148,8 @@ class Usage:
     """Totals as of one cycle. Immutable: the renderer reads it while the next is made."""
 
     timestamp: float
-    claims: Totals = Totals()
-    pods: Totals = Totals()
+    claims: Totals = field(default_factory=Totals)
+    pods: Totals = field(default_factory=Totals)
     splits: tuple[DeviceSplit, ...] = ()  # the held devices now, by uuid
     integrated_joules: float = 0.0  # every GPU energy increase integrated since the start
     unattributed_joules: float = 0.0  # the part of it no holder took
@@ -158,6 +194,15 @@ def device_weights(identities: Iterable[DeviceIdentity]) -> dict[str, tuple[str,
 
 def split_devices(snap: Snapshot, process_memory: ProcessMemory | None = None) -> tuple[DeviceSplit, ...]:
     """Every held device of the snapshot, who holds it and how its figures are split. Pure."""
+    return _split(_holders(snap), process_memory)
+
+
+# One held device as the allocations and the devices alone make it: (uuid, its GPU, weight,
+# fraction, holder -> its pods, the equal split). What --per-process memory cannot move.
+Held = tuple[str, str, float, float, dict[tuple[str, str, str], set[str]], tuple[Part, ...]]
+
+
+def _holders(snap: Snapshot) -> tuple[Held, ...]:
     weights = device_weights(d.identity for d in snap.devices)
     # device -> holder -> its pods; a holder is a claim (namespace, claim, "") or a device-plugin
     # pod (namespace, "", pod)
@@ -177,13 +222,19 @@ def split_devices(snap: Snapshot, process_memory: ProcessMemory | None = None) -
         gpu, w = weights[uuid]
         total = per_gpu[gpu]
         units = held[uuid]
-        time = _equal(units)
+        out.append((uuid, gpu, w, w / total if total > 1.0 else w, units, _equal(units)))
+    return tuple(out)
+
+
+def _split(holders: tuple[Held, ...], process_memory: ProcessMemory | None) -> tuple[DeviceSplit, ...]:
+    out = []
+    for uuid, gpu, w, fraction, units, time in holders:
         usage, rule = time, EQUAL
         if process_memory is not None:
             by_process = _per_process(uuid, units, process_memory)
             if by_process is not None:
                 usage, rule = by_process, PER_PROCESS
-        out.append(DeviceSplit(uuid=uuid, gpu=gpu, weight=w, fraction=w / total if total > 1.0 else w, rule=rule, usage=usage, time=time))
+        out.append(DeviceSplit(uuid=uuid, gpu=gpu, weight=w, fraction=fraction, rule=rule, usage=usage, time=time))
     return tuple(out)
 
 
@@ -239,8 +290,73 @@ def _coefficients(splits: Iterable[DeviceSplit], time: bool) -> Coefficients:
     return (tuple(claims), tuple(claims.values())), (tuple(pods), tuple(pods.values())), attributed
 
 
+class _Plan:
+    """How one kind's totals (claims or pods) are worked out while nothing but the amounts moves.
+
+    A holder's total is its total as of the last change (``base_*``) plus its coefficient times
+    what each source added since: the clock's elapsed time for device-seconds (one coefficient
+    per holder), each physical GPU's energy increases for joules (a holder on several GPUs has a
+    term per GPU). Made when the holders or any source's coefficients change, never per cycle; the
+    terms are kept in one order, so the same amounts always give the same floats, and larger
+    amounts never smaller ones (a counter cannot go down by a rounding).
+    """
+
+    __slots__ = ("base_joules", "base_seconds", "coef", "extra", "keys", "src", "time")
+
+    def __init__(self, keys: tuple[tuple[str, str], ...], joules: Mapping[tuple[str, str], float], seconds: Mapping[tuple[str, str], float],
+                 time: Column, gpus: Iterable[Column], zero_slot: int) -> None:
+        self.keys = keys
+        get_j, get_s = joules.__getitem__, seconds.__getitem__
+        self.base_joules = tuple(map(get_j, keys))
+        self.base_seconds = tuple(map(get_s, keys))
+        times = dict(zip(*time, strict=True))
+        self.time = tuple(map(times.get, keys, repeat(0.0)))
+        # Every holder's first GPU term (in slot order) in columns: one product per holder, in
+        # C. A holder without one draws on the zero slot, whose amount stays 0.0; a holder on
+        # several GPUs (a pod whose claims sit on two) has its further terms in ``extra``.
+        # Made with dict updates in C: under --per-process the shares move with the processes'
+        # memory, and a plan is made every cycle.
+        cols = list(gpus)
+        src: dict[tuple[str, str], int] = {}
+        coef: dict[tuple[str, str], float] = {}
+        for slot in range(len(cols) - 1, -1, -1):  # backwards: the first slot's term wins
+            gkeys, gcoefs = cols[slot]
+            src.update(zip(gkeys, repeat(slot)))
+            coef.update(zip(gkeys, gcoefs, strict=True))
+        extra: list[tuple[int, int, float]] = []
+        if sum(len(c[0]) for c in cols) > len(src):
+            pos = {k: i for i, k in enumerate(keys)}
+            for slot, (gkeys, gcoefs) in enumerate(cols):
+                for k, c in zip(gkeys, gcoefs, strict=True):
+                    # a holder's other GPUs; and none for one expired since the GPU's last
+                    # reading (a gap longer than the retention)
+                    if src[k] != slot and (i := pos.get(k)) is not None:
+                        extra.append((i, slot, c))
+        self.coef = tuple(map(coef.get, keys, repeat(0.0)))
+        self.src = _picker(list(map(src.get, keys, repeat(zero_slot))))
+        self.extra = tuple(extra)
+
+    def values(self, amounts: tuple[float, ...], elapsed: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(joules, device-seconds) in key order, given each source's amount since the plan."""
+        seconds = tuple(map(operator.add, self.base_seconds, map(operator.mul, self.time, repeat(float(elapsed)))))
+        joules = tuple(map(operator.add, self.base_joules, map(operator.mul, self.coef, self.src(amounts))))
+        if self.extra:
+            more = list(joules)
+            for i, slot, c in self.extra:
+                more[i] += c * amounts[slot]
+            joules = tuple(more)
+        return joules, seconds
+
+
+def _picker(slots: list[int]) -> Callable[[tuple[float, ...]], tuple[float, ...]]:
+    """The amounts of these slots, as a tuple: one itemgetter call (a third of a map's cost)."""
+    if len(slots) >= 2:
+        return operator.itemgetter(*slots)
+    return lambda amounts: tuple(amounts[i] for i in slots)
+
+
 class _Running:
-    """The running totals of one kind of holder, with who holds now and who went when."""
+    """The totals of one kind of holder as of the last plan, with who holds now and who went when."""
 
     __slots__ = ("gone", "joules", "keys", "seconds")
 
@@ -262,35 +378,32 @@ class _Running:
         for k in joules:
             if k not in current and k not in gone:
                 gone[k] = left
-        self.keys = tuple(sorted(joules))
+        # holding only adds keys: none added, the same keys keep their tuple (the renderer's
+        # label tuples are remade when it is another)
+        if len(joules) != len(self.keys):
+            self.keys = tuple(sorted(joules))
 
-    @staticmethod
-    def add(into: dict[tuple[str, str], float], column: Column, amount: float) -> None:
-        keys, coefs = column
-        try:
-            # the dense node adds ~1,500 products a cycle: in C, not in a loop of our own
-            into.update(zip(keys, map(operator.add, map(into.__getitem__, keys), map(float(amount).__mul__, coefs)), strict=True))
-        except KeyError:  # a holder of the interval's start expired since (a gap longer than the retention)
-            for k, c in zip(keys, coefs, strict=True):
-                if k in into:
-                    into[k] += amount * c
+    def fold(self, plan: _Plan, amounts: tuple[float, ...], elapsed: float) -> None:
+        """Take what the sources added under ``plan`` into the totals: the values it gives now."""
+        joules, seconds = plan.values(amounts, elapsed)
+        self.joules.update(zip(plan.keys, joules, strict=True))
+        self.seconds.update(zip(plan.keys, seconds, strict=True))
 
-    def expire(self, now: float, retention: float, max_gone: int) -> None:
+    def expiring(self, now: float, retention: float, max_gone: int) -> list[tuple[str, str]]:
         gone = self.gone
         if not gone:
-            return
+            return []
         drop = [k for k, t in gone.items() if now - t > retention]
         if len(gone) - len(drop) > max_gone:  # a churn storm: keep the most recent
             kept = sorted(((t, k) for k, t in gone.items() if now - t <= retention), reverse=True)
             drop += [k for _, k in kept[max_gone:]]
-        if drop:
-            for k in drop:
-                del gone[k], self.joules[k], self.seconds[k]
-            self.keys = tuple(sorted(self.joules))
+        return drop
 
-    def totals(self) -> Totals:
-        keys = self.keys
-        return Totals(keys, tuple(map(self.joules.__getitem__, keys)), tuple(map(self.seconds.__getitem__, keys)))
+    def drop(self, keys: list[tuple[str, str]]) -> None:
+        if keys:
+            for k in keys:
+                del self.gone[k], self.joules[k], self.seconds[k]
+            self.keys = tuple(sorted(self.joules))
 
 
 class UsageAccountant:
@@ -298,6 +411,13 @@ class UsageAccountant:
 
     Called by the sampler thread only (once per cycle, after the join); not thread-safe, and
     needs not be: what it hands out is immutable.
+
+    A steady cycle (holders and devices as before, readings moving) adds one number per physical
+    GPU and one for the clock: each GPU's energy increase is split by the coefficients of its
+    last good reading, and while those stay the same the split of a sum is the sum of the splits,
+    so the increases are summed per GPU (and the intervals summed) and split only when a total is
+    asked for (:class:`_Plan`, :class:`Totals`). When any coefficient or the set of holders
+    changes, what was summed under the old ones is split into the totals first (``fold``).
     """
 
     def __init__(self, retention: float = 600.0, max_gone: int = 10_000) -> None:
@@ -313,77 +433,117 @@ class UsageAccountant:
         self._unattributed = 0.0
         # the last splits and what they were made from (the join hands back the very same
         # allocations tuple while nothing moved, see JoinMemo)
-        self._memo: tuple[object, object, object, tuple[DeviceSplit, ...]] | None = None
+        self._memo: tuple[object, object, object, tuple[DeviceSplit, ...], tuple[Held, ...]] | None = None
         self._gpu_coef: dict[str, Coefficients] = {}  # of the current splits, per physical GPU
         self._split_time_coef: Coefficients = _NONE  # of the current splits
+        self._physical: tuple[tuple[str, int], ...] = ()  # (uuid, position in snap.devices) of each physical GPU
+        # Since the plans were made: each GPU's summed energy increases (by slot, the last one
+        # always 0.0) and the summed intervals. A GPU's slot exists while it has a mark.
+        self._slot: dict[str, int] = {}
+        self._amounts: list[float] = [0.0]
+        self._elapsed = 0.0
+        self._plans: tuple[_Plan, _Plan] | None = None  # claims', pods'
 
     def update(self, snap: Snapshot, process_memory: ProcessMemory | None = None) -> Usage:
         now = snap.timestamp
         prev = self._prev_t
-        splits = self._splits(snap, process_memory, prev, now)
+        splits, changed = self._splits(snap, process_memory, prev, now)
         claims, pods = self._claims, self._pods
 
         # allocated time since the last cycle, to the holders of that cycle
         if prev is not None and now > prev:
-            dt = now - prev
-            c_coef, p_coef, _ = self._time_coef
-            claims.add(claims.seconds, c_coef, dt)
-            pods.add(pods.seconds, p_coef, dt)
+            self._elapsed += now - prev
         if prev is None or now >= prev:
             self._prev_t = now
-            self._time_coef = self._split_time_coef
+            if self._time_coef is not self._split_time_coef:
+                self._time_coef = self._split_time_coef
+                changed = True
 
         # energy increases since each GPU's last good reading, to the holders of that reading
-        gpu_coef, energy = self._gpu_coef, self._energy
-        present = set()
-        for d in snap.devices:
-            ident = d.identity
-            if ident.is_partition:
-                continue
-            present.add(ident.uuid)
-            r = d.reading
+        gpu_coef, energy, amounts, slot = self._gpu_coef, self._energy, self._amounts, self._slot
+        devices = snap.devices
+        for uuid, i in self._physical:
+            r = devices[i].reading
             e = r.energy_joules if r is not None and r.ok else None
             if e is None or not e >= 0.0:  # no reading, not supported, or NaN
                 continue
-            last = energy.get(ident.uuid)
-            energy[ident.uuid] = (e, gpu_coef.get(ident.uuid, _NONE))
+            last = energy.get(uuid)
+            coef = gpu_coef.get(uuid, _NONE)
+            energy[uuid] = (e, coef)
             if last is None:
-                continue  # the first reading: a mark to count from
+                changed = True  # the first reading: a mark to count from (and a new source)
+                continue
+            if coef is not last[1]:
+                changed = True  # the increases from now on go to other holders
             delta = e - last[0] if e >= last[0] else e  # went down: the counter restarted from 0
             if delta <= 0.0:
                 continue
-            c_coef, p_coef, attributed = last[1]
-            claims.add(claims.joules, c_coef, delta)
-            pods.add(pods.joules, p_coef, delta)
+            amounts[slot[uuid]] += delta
             self._integrated += delta
-            self._unattributed += delta - delta * attributed
-        if len(energy) > len(present):
+            self._unattributed += delta - delta * last[1][2]
+        if len(energy) > len(self._physical):
+            present = {u for u, _ in self._physical}
             for gone in [u for u in energy if u not in present]:
                 del energy[gone]
+                changed = True
 
-        claims.expire(now, self.retention, self.max_gone)
-        pods.expire(now, self.retention, self.max_gone)
+        drop_claims = claims.expiring(now, self.retention, self.max_gone)
+        drop_pods = pods.expiring(now, self.retention, self.max_gone)
+        if changed or drop_claims or drop_pods or self._plans is None:
+            self._replan(drop_claims, drop_pods)
+        plans, totals, elapsed = self._plans, tuple(self._amounts), self._elapsed
+        assert plans is not None
         return Usage(
             timestamp=now,
-            claims=claims.totals(),
-            pods=pods.totals(),
+            claims=Totals.lazy(plans[0], totals, elapsed),
+            pods=Totals.lazy(plans[1], totals, elapsed),
             splits=splits,
             integrated_joules=self._integrated,
             unattributed_joules=max(0.0, self._unattributed),
         )
 
-    def _splits(self, snap: Snapshot, process_memory: ProcessMemory | None, prev: float | None, now: float) -> tuple[DeviceSplit, ...]:
-        """This cycle's splits, remade only when the holders, the devices or the process memory moved."""
+    def _replan(self, drop_claims: list[tuple[str, str]], drop_pods: list[tuple[str, str]]) -> None:
+        """Fold what was summed under the old plans into the totals, then plan anew from zero."""
+        amounts, elapsed = tuple(self._amounts), self._elapsed
+        if self._plans is not None:
+            self._claims.fold(self._plans[0], amounts, elapsed)
+            self._pods.fold(self._plans[1], amounts, elapsed)
+        self._claims.drop(drop_claims)
+        self._pods.drop(drop_pods)
+        sources = list(self._energy)
+        self._slot = {u: i for i, u in enumerate(sources)}
+        self._amounts = [0.0] * (len(sources) + 1)
+        self._elapsed = 0.0
+        coefs = [self._energy[u][1] for u in sources]
+        c, p = self._claims, self._pods
+        self._plans = (
+            _Plan(c.keys, c.joules, c.seconds, self._time_coef[0], (k[0] for k in coefs), len(sources)),
+            _Plan(p.keys, p.joules, p.seconds, self._time_coef[1], (k[1] for k in coefs), len(sources)),
+        )
+
+    def _splits(self, snap: Snapshot, process_memory: ProcessMemory | None, prev: float | None, now: float) -> tuple[tuple[DeviceSplit, ...], bool]:
+        """This cycle's splits, remade only when the holders, the devices or the process memory
+        moved (only the per-process usage splits when only the memory did); and whether they were."""
         idents = [d.identity for d in snap.devices]
         memo = self._memo
-        if memo is not None and memo[0] is snap.allocations and memo[2] == process_memory and memo[1] == idents:
-            return memo[3]
-        splits = split_devices(snap, process_memory)
-        self._memo = (snap.allocations, idents, None if process_memory is None else dict(process_memory), splits)
+        same_holders = memo is not None and memo[0] is snap.allocations and memo[1] == idents
+        if memo is not None and same_holders:
+            if memo[2] == process_memory:
+                return memo[3], False
+            holders = memo[4]
+        else:
+            holders = _holders(snap)
+        splits = _split(holders, process_memory)
+        self._memo = (snap.allocations, idents, None if process_memory is None else dict(process_memory), splits, holders)
         by_gpu: dict[str, list[DeviceSplit]] = {}
         for s in splits:
             by_gpu.setdefault(s.gpu, []).append(s)
         self._gpu_coef = {gpu: _coefficients(ss, time=False) for gpu, ss in by_gpu.items()}
+        if same_holders:
+            # The same holders: the time split (always equal), its coefficients and the set of
+            # claims and pods with counters are what they were.
+            return splits, True
+        self._physical = tuple((i.uuid, n) for n, i in enumerate(idents) if not i.is_partition)
         self._split_time_coef = _coefficients(splits, time=True)
         # Every claim the join exports has counters (a claim whose devices did not resolve stays
         # at 0), and so has every pod of those claims and every holder of a device.
@@ -396,7 +556,7 @@ class UsageAccountant:
                 pods.add(pod)
         self._claims.hold(claims, prev, now)
         self._pods.hold(pods, prev, now)
-        return splits
+        return splits, True
 
 
 _NONE: Coefficients = (((), ()), ((), ()), 0.0)  # a GPU nobody holds: all of its energy is unattributed
