@@ -122,11 +122,15 @@ def cadence(agent, url: str, seconds: float, interval: float, scrape_every: floa
     scrapes ``url`` every ``scrape_every`` s; per thread CPU; the scrapes' latencies."""
     import subprocess
 
+    # One cycle first, outside the window: whether the last state was asked for (by what ran
+    # before) decides whether this one is rendered eagerly; the window starts from this one.
+    agent.run_cycle()
     start = time.time() + 1.0  # the scraper's interpreter starts meanwhile
     scraper = subprocess.Popen([sys.executable, str(ROOT / "bench" / "scraper.py"), url, "--every", str(scrape_every), "--start-at", str(start),
                                 "--until", str(start + seconds)], stdout=subprocess.PIPE, text=True)
     time.sleep(max(0.0, start - time.time()))
-    renders0 = getattr(getattr(agent, "expositions", None), "renders", None)
+    ondemand = getattr(agent, "expositions", None)
+    renders0, eager0 = (ondemand.renders, ondemand.eager_renders) if ondemand is not None else (None, None)
     threads0 = _thread_cpu()
     c0, w0 = time.process_time(), time.perf_counter()
     at_cadence(agent, seconds, interval)
@@ -137,14 +141,14 @@ def cadence(agent, url: str, seconds: float, interval: float, scrape_every: floa
     if scrapes["statuses"] not in ([], [200]):
         raise SystemExit(f"scraper got HTTP {scrapes['statuses']}")
     lat = scrapes["latencies_s"]
-    renders = getattr(getattr(agent, "expositions", None), "renders", None)
     return {
         f"cpu_percent_{key}_interval": share * 100,
         f"cpu_window_{key}_s": seconds,
         f"scrapes_{key}": len(lat),
         f"scrape_{key}_p50_ms": pct(lat, 50) * 1e3 if lat else None,
         f"scrape_{key}_max_ms": max(lat) * 1e3 if lat else None,
-        f"renders_{key}": renders - renders0 if renders is not None and renders0 is not None else None,
+        f"renders_{key}": ondemand.renders - renders0 if ondemand is not None else None,
+        f"eager_renders_{key}": ondemand.eager_renders - eager0 if ondemand is not None else None,  # of them, on the sampler
         f"cadence_{key}_threads_cpu_s": by_thread,
     }
 

@@ -75,9 +75,9 @@ class OnDemand:
     def __init__(self, renderer: Renderer) -> None:
         self._renderer = renderer
         self._render_lock = threading.Lock()  # one render at a time (see the module doc)
-        # Guards the fields below; held briefly, never across a render. Re-entrant: a future's
-        # done-callback added under it may run at once, on this thread.
-        self._lock = threading.RLock()
+        # Guards the fields below; held briefly, never across a render, and never while waiting
+        # for the render lock (always taken second): no order to deadlock on.
+        self._lock = threading.Lock()
         self._state: RenderState | None = None
         self._seq = 0  # states published so far; the newest is number _seq
         self._rendered: tuple[int, Exposition] | None = None  # the newest good render and its state's number
@@ -99,16 +99,14 @@ class OnDemand:
         return self._state is not None
 
     @property
+    def state(self) -> RenderState | None:
+        """The newest published state (benchmarks render it with a renderer of their own)."""
+        return self._state
+
+    @property
     def rendered(self) -> bool:
         """Whether any state was rendered successfully (/readyz: a failing first render)."""
         return self._rendered is not None
-
-    @property
-    def eager(self) -> bool:
-        """Whether the next publish renders on the sampler (scrapes come at least once a cycle)."""
-        with self._lock:
-            asked = self._seq > 0 and self._asked == self._seq
-            return (self._streak + 1 if asked else 0) >= self.EAGER_AFTER
 
     def publish(self, state: RenderState) -> None:
         """The newest state (the sampler's, once per cycle). Renders it first if scrapes are frequent."""

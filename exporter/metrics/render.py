@@ -95,7 +95,11 @@ class PendingEvictionView(Protocol):
 
 @dataclass
 class RenderState:
-    """Everything a render needs besides the snapshot; each part owned by its producer."""
+    """Everything a render needs besides the snapshot; each part owned by its producer.
+
+    Published by the sampler each cycle and rendered later, on another thread, if a scrape asks
+    (exporter/metrics/ondemand.py): every part must be immutable or a copy made for it, never a
+    live object the next cycle changes."""
 
     snapshot: Snapshot | None = None
     xid_counts: Mapping[tuple[str, int], int] = field(default_factory=dict)
@@ -122,6 +126,7 @@ class RenderState:
     usage: Usage | None = None  # billing totals and device splits (exporter.model.usage); None: not exported
 
 
+_NO_STATE = RenderState()  # what the collector holds between renders
 _second = operator.itemgetter(1)  # a row's value
 
 
@@ -711,8 +716,14 @@ class Renderer:
         self._headers: dict[tuple[Any, ...], tuple[str, str, str, str]] = {}
 
     def render(self, state: RenderState) -> Exposition:
+        """``state``'s exposition. One caller at a time (exporter/metrics/ondemand.py holds a
+        lock around it): the caches below carry over from one render to the next."""
         self.collector.state = state
-        return self.render_families(self.registry.collect())
+        try:
+            return self.render_families(self.registry.collect())
+        finally:
+            # Rendered on demand, a state may be many cycles old by the next render: keep none.
+            self.collector.state = _NO_STATE
 
     def render_families(self, families: Iterable[Metric]) -> Exposition:
         """The exposition of ``families`` (what ``generate_latest`` would make of a registry
