@@ -8,10 +8,17 @@ It prints one JSON line with its measurements.
     python bench/agent_process.py --scenario S.json --socket K.sock --kubeconfig KC --cycles N
     python bench/agent_process.py ... --mode cycle --cycles 200 --cpu-seconds 20
 
-``--mode soak`` (default): RSS after start and after N cycles run back to back, then CPU at the
-agent's own 1 s interval. ``--mode cycle``: the CPU of each of N cycles (process CPU time, all
-the agent's threads: device lanes, watchers, HTTP server), then CPU at a 1 s cadence, and with
+``--mode soak`` (default): RSS after start and after N cycles run back to back (each rendered,
+as if scraped), then CPU at the agent's own 1 s interval with a Prometheus-like scraper.
+``--mode cycle``: the CPU of each of N cycles and of its render (process CPU time, all the
+agent's threads: device lanes, watchers, HTTP server), then CPU at a 1 s cadence, and with
 ``--cpu-seconds-5s W`` at the default 5 s interval too (a window of W seconds).
+
+The agent renders a cycle's metrics only when something asks for them (exporter/metrics/
+ondemand.py), so CPU at a cadence means nothing without scrapes. Each cadence window runs with
+a scraper in a process of its own (bench/scraper.py: Prometheus's headers, gzip OpenMetrics,
+through the agent's real HTTP server): one scrape every ``--scrape-every`` seconds (15, a usual
+Prometheus interval), and the worst case, one scrape per cycle (half-way between two cycles).
 """
 
 from __future__ import annotations
@@ -43,55 +50,106 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(p / 100.0 * (len(xs) - 1))))]
 
 
-def measure_cycles(agent, cycles: int, cpu_seconds: float, cpu_seconds_5s: float = 0.0) -> dict:
-    """CPU of each cycle, and CPU at a 1 s cadence (and at 5 s, the default interval, when
-    ``cpu_seconds_5s``), for this (the agent's) process alone."""
+def rendered(agent):
+    """The exposition of the agent's newest cycle, rendered now if it is not yet: what a scrape
+    makes the agent do. (Before render on demand, a cycle rendered itself: the server's bytes.)"""
+    ex = getattr(agent, "expositions", None)
+    if ex is not None:
+        return ex.current()
+    return agent.server._exposition if agent.server is not None else agent.renderer.render(agent.renderer.collector.state)
+
+
+def measure_cycles(agent, cycles: int, cpu_seconds: float, cpu_seconds_5s: float = 0.0, scrape_every: float = 15.0) -> dict:
+    """CPU of each cycle with its render (every cycle scraped: the PRODUCT's cycle budget),
+    and CPU at a 1 s cadence (and at 5 s, the default interval, when ``cpu_seconds_5s``), for
+    this (the agent's) process alone, with a Prometheus-like scraper and with a scrape per cycle."""
     for _ in range(10):  # warm: caches, connections, the renderer's series
         agent.run_cycle()
-    cpu, wall = [], []
+        rendered(agent)
+    # Each cycle is asked for here, so the sampler would render it eagerly inside run_cycle:
+    # held on demand, the render is counted apart (on the render thread: process CPU counts it).
+    ondemand = getattr(agent, "expositions", None)
+    if ondemand is not None:
+        ondemand.EAGER_AFTER = 10**9
+    cpu, wall, render = [], [], []
     for _ in range(cycles):
         c0, w0 = time.process_time(), time.perf_counter()
         agent.run_cycle()
+        c1 = time.process_time()
+        rendered(agent)
         cpu.append(time.process_time() - c0)
+        render.append(time.process_time() - c1)
         wall.append(time.perf_counter() - w0)
-    # One scrape's compression of the format Prometheus asks for (computed once per cycle
-    # at most, on the first scrape that wants it).
+    # One scrape's compression of the format Prometheus asks for (made once per scraped cycle
+    # at most, by the first scrape that wants it).
+    import gzip
+
+    body = rendered(agent).openmetrics
     gz = []
     for _ in range(20):
-        exp = agent.renderer.render(agent.renderer.collector.state)
         c0 = time.process_time()
-        exp.openmetrics_gzipped  # noqa: B018
+        gzip.compress(body, compresslevel=1, mtime=0)
         gz.append(time.process_time() - c0)
-    # 1 s cadence, as the agent's own sampler loop runs it (fixed rate), nothing else here.
-    threads0 = _thread_cpu()
-    c0, w0 = time.process_time(), time.perf_counter()
-    at_cadence(agent, cpu_seconds)
-    cpu_share = (time.process_time() - c0) / (time.perf_counter() - w0)
-    by_thread = _thread_cpu_since(threads0)
-    body = agent.server._exposition.body if agent.server and agent.server._exposition else b""
-    at_5s = {}
-    if cpu_seconds_5s:
-        threads0 = _thread_cpu()
-        c0, w0 = time.process_time(), time.perf_counter()
-        at_cadence(agent, cpu_seconds_5s, interval=5.0)
-        at_5s = {
-            "cpu_percent_5s_interval": (time.process_time() - c0) / (time.perf_counter() - w0) * 100,
-            "cpu_window_5s_s": cpu_seconds_5s,
-            "cadence_5s_threads_cpu_s": _thread_cpu_since(threads0),
-        }
-    return {
+    body = rendered(agent).body
+    if ondemand is not None:
+        del ondemand.EAGER_AFTER  # back to the class's: the cadence windows run as the agent does
+    out = {
         "cycles": cycles,
-        "cycle_cpu_p50_ms": pct(cpu, 50) * 1e3,
+        "cycle_cpu_p50_ms": pct(cpu, 50) * 1e3,  # the cycle and its render
         "cycle_cpu_p99_ms": pct(cpu, 99) * 1e3,
+        "render_cpu_p50_ms": pct(render, 50) * 1e3,  # of which the render (0 before render on demand: inside the cycle)
         "cycle_wall_p50_ms": pct(wall, 50) * 1e3,
         "cycle_wall_p99_ms": pct(wall, 99) * 1e3,
         "gzip_openmetrics_ms": pct(gz, 50) * 1e3,
-        "cpu_percent_1s_interval": cpu_share * 100,
-        "cpu_window_s": cpu_seconds,
-        "cadence_threads_cpu_s": by_thread,  # per native thread over the 1 s cadence window
         "series": sum(1 for line in body.split(b"\n") if line and not line.startswith(b"#")),
         "body_bytes": len(body),
-        **at_5s,
+        "scrape_every_s": scrape_every,
+    }
+    url = agent.server.url + "/metrics"
+    # 1 s cadence, as the agent's own sampler loop runs it (fixed rate): with a Prometheus-like
+    # scraper over a whole number of its periods, then with a scrape after every cycle.
+    prom_window = max(cpu_seconds, 4 * scrape_every)
+    out.update(cadence(agent, url, prom_window, 1.0, scrape_every, "1s"))
+    out.update(cadence(agent, url, cpu_seconds, 1.0, 1.0, "1s_every_cycle"))
+    if cpu_seconds_5s:
+        out.update(cadence(agent, url, max(cpu_seconds_5s, 4 * scrape_every), 5.0, scrape_every, "5s"))
+        out.update(cadence(agent, url, max(cpu_seconds_5s / 2, 10.0), 5.0, 5.0, "5s_every_cycle"))
+    return out
+
+
+def cadence(agent, url: str, seconds: float, interval: float, scrape_every: float, key: str) -> dict:
+    """CPU % of this process over ``seconds`` of cycles every ``interval`` s while bench/scraper.py
+    scrapes ``url`` every ``scrape_every`` s; per thread CPU; the scrapes' latencies."""
+    import subprocess
+
+    # One cycle first, outside the window: whether the last state was asked for (by what ran
+    # before) decides whether this one is rendered eagerly; the window starts from this one.
+    agent.run_cycle()
+    start = time.time() + 1.0  # the scraper's interpreter starts meanwhile
+    scraper = subprocess.Popen([sys.executable, str(ROOT / "bench" / "scraper.py"), url, "--every", str(scrape_every), "--start-at", str(start),
+                                "--until", str(start + seconds)], stdout=subprocess.PIPE, text=True)
+    time.sleep(max(0.0, start - time.time()))
+    ondemand = getattr(agent, "expositions", None)
+    renders0, eager0 = (ondemand.renders, ondemand.eager_renders) if ondemand is not None else (None, None)
+    threads0 = _thread_cpu()
+    c0, w0 = time.process_time(), time.perf_counter()
+    at_cadence(agent, seconds, interval)
+    share = (time.process_time() - c0) / (time.perf_counter() - w0)
+    by_thread = _thread_cpu_since(threads0)
+    out, _ = scraper.communicate(timeout=120)
+    scrapes = json.loads(out.strip().splitlines()[-1])
+    if scrapes["statuses"] not in ([], [200]):
+        raise SystemExit(f"scraper got HTTP {scrapes['statuses']}")
+    lat = scrapes["latencies_s"]
+    return {
+        f"cpu_percent_{key}_interval": share * 100,
+        f"cpu_window_{key}_s": seconds,
+        f"scrapes_{key}": len(lat),
+        f"scrape_{key}_p50_ms": pct(lat, 50) * 1e3 if lat else None,
+        f"scrape_{key}_max_ms": max(lat) * 1e3 if lat else None,
+        f"renders_{key}": ondemand.renders - renders0 if ondemand is not None else None,
+        f"eager_renders_{key}": ondemand.eager_renders - eager0 if ondemand is not None else None,  # of them, on the sampler
+        f"cadence_{key}_threads_cpu_s": by_thread,
     }
 
 
@@ -161,6 +219,7 @@ def main() -> None:
     ap.add_argument("--cpu-seconds", type=float, default=30.0)
     ap.add_argument("--mode", choices=("soak", "cycle"), default="soak")
     ap.add_argument("--cpu-seconds-5s", type=float, default=0.0, help="cycle mode: also CPU at a 5 s cadence (the default interval), over this window")
+    ap.add_argument("--scrape-every", type=float, default=15.0, help="seconds between the Prometheus-like scraper's scrapes in the CPU windows")
     ap.add_argument("--profile", type=Path, help="cycle mode: profile the measured cycles (all threads, yappi) into this file")
     ap.add_argument("--idle-seconds", type=float, default=0.0, help="cycle mode: also report process CPU per thread while no cycle runs")
     ap.add_argument("--claims-ttl", type=float, default=None, help="diagnosis: override the ResourceClaim cache's TTL (re-fetch cost)")
@@ -200,8 +259,13 @@ def main() -> None:
     if a.claims_ttl is not None and agent.src.get("claims") is not None:
         agent.src.get("claims").cache.ttl = a.claims_ttl
     agent.start()
-    # agent.start() returns once the first cycle is rendered and published: /metrics complete
-    started_s, first_metrics_s = time.perf_counter() - t_start, process_age()
+    # agent.start() returns once the first cycle is published; its first scrape renders it
+    started_s = time.perf_counter() - t_start
+    import urllib.request
+
+    with urllib.request.urlopen(agent.server.url + "/metrics", timeout=60) as r:  # a complete /metrics
+        r.read()
+    first_metrics_s = process_age()
     settle_heap()  # as exporter.cli.run_agent does after start-up
     ready = agent.readiness()
     try:
@@ -212,19 +276,21 @@ def main() -> None:
 
                 for _ in range(10):
                     agent.run_cycle()
+                    rendered(agent)
                 yappi.set_clock_type("cpu")
                 yappi.start(builtins=True)
                 for _ in range(a.cycles):
                     agent.run_cycle()
+                    rendered(agent)
                 yappi.stop()
-                text = f"{a.cycles} cycles back to back\n" + report(60)
+                text = f"{a.cycles} cycles back to back, each rendered (as if scraped)\n" + report(60)
                 # ...and the agent at its 1 s cadence: what its other threads cost between cycles
                 yappi.clear_stats()
                 yappi.start(builtins=True)
                 at_cadence(agent, 10.0)
                 yappi.stop()
                 a.profile.write_text(text + "\n\n10 s at a 1 s cadence\n" + report(40))
-            out = measure_cycles(agent, a.cycles, a.cpu_seconds, a.cpu_seconds_5s)
+            out = measure_cycles(agent, a.cycles, a.cpu_seconds, a.cpu_seconds_5s, a.scrape_every)
             if a.idle_seconds:
                 out["idle"] = idle_threads(a.idle_seconds)
             out.update(
@@ -239,20 +305,32 @@ def main() -> None:
             return
         for _ in range(20):
             agent.run_cycle()
+            rendered(agent)
         start_mb = rss_mb()
         marks = []
         t0 = time.perf_counter()
-        for i in range(a.cycles):
+        for i in range(a.cycles):  # each cycle rendered, as if scraped: the renderer's caches turn over
             agent.run_cycle()
+            rendered(agent)
             if (i + 1) % max(1, a.cycles // 5) == 0:
                 marks.append(round(rss_mb(), 1))
         cycles_s = time.perf_counter() - t0
         end_mb = rss_mb()
-        # CPU at the real 1 s interval: only the agent's own threads run in this window.
+        # CPU at the real 1 s interval: only the agent's own threads run in this window, and
+        # a Prometheus-like scraper (its own process) every --scrape-every seconds.
+        import subprocess
+
+        start = time.time() + 1.0
+        scraper = subprocess.Popen([sys.executable, str(ROOT / "bench" / "scraper.py"), agent.server.url + "/metrics", "--every", str(a.scrape_every),
+                                    "--start-at", str(start), "--until", str(start + a.cpu_seconds)], stdout=subprocess.PIPE, text=True)
+        time.sleep(max(0.0, start - time.time()))
         c0, w0 = time.process_time(), time.perf_counter()
         time.sleep(a.cpu_seconds)
         cpu = (time.process_time() - c0) / (time.perf_counter() - w0)
+        scrapes = json.loads(scraper.communicate(timeout=120)[0].strip().splitlines()[-1])["scrapes"]
         out = {
+            "scrapes_in_cpu_window": scrapes,
+            "scrape_every_s": a.scrape_every,
             "interpreter_mb": interpreter_mb,
             "after_imports_mb": imported_mb,
             "rss_start_mb": start_mb,

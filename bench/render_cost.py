@@ -65,7 +65,7 @@ def measure(cycles: int, interval: float, scenario: dict) -> dict:
         for i in range(cycles + 5):
             node.clock.advance_to(node.clock.now() + interval)
             node.agent.run_cycle()
-            state = node.agent.renderer.collector.state
+            state = node.agent.expositions.state  # the cycle's, published (rendered only on demand)
             hand_renderer.collector.state = state
             fams = list(hand_renderer.collector.collect())
             c0 = time.process_time()

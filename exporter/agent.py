@@ -20,6 +20,7 @@ from .config import Config
 from .devices.collector import DeviceCollector
 from .health.engine import HealthEngine
 from .health.starvation import StarvationMonitor
+from .metrics.ondemand import OnDemand
 from .metrics.render import Renderer, RenderState
 from .metrics.server import MetricsServer, Probe
 from .model.inputs import CycleJoin
@@ -87,6 +88,7 @@ class Agent:
         self.health = outputs.health
         self.starvation = outputs.starvation
         self.renderer = outputs.renderer
+        self.expositions = OnDemand(outputs.renderer)  # each cycle's state, rendered when asked
         self.server: MetricsServer | None = None
         self.status: dict[str, CollectorStatus] = {}
         self.snapshot: Snapshot | None = None
@@ -108,6 +110,7 @@ class Agent:
             # First: /healthz answers and /readyz says "no device data yet" even while a
             # driver is slow to open or enumerate, instead of refusing connections.
             self.server = self.out.serve(self.readiness, self.liveness)
+            self.server.serve_from(self.expositions)
             self.server.start()
         try:
             for c in self.src.all:
@@ -140,6 +143,7 @@ class Agent:
                 log.exception("stop_failed", part=name)
         if self.server is not None:
             self.server.stop()
+        self.expositions.close()
         self.starvation.stop()
 
     def _loop(self) -> None:
@@ -214,7 +218,7 @@ class Agent:
         return snap
 
     def publish(self) -> None:
-        """Render the current state and hand the bytes to the HTTP server."""
+        """Publish the cycle's state: rendered when a scrape asks for it (exporter/metrics/ondemand.py)."""
         rep = self.out.remediation.report() if self.out.remediation is not None else None
         xid_counts, read_errors = self.health.counters()  # one consistent copy under the lock
         starved = self.starvation.state()
@@ -244,9 +248,7 @@ class Agent:
             http=self.server.stats() if self.server is not None else None,
             usage=self._usage,
         )
-        exp = self.renderer.render(state)
-        if self.server is not None:
-            self.server.publish(exp)
+        self.expositions.publish(state)
 
     # -- probes ------------------------------------------------------------------------------
     def readiness(self) -> tuple[bool, str]:
@@ -265,10 +267,12 @@ class Agent:
             problems.append(f"agent starved of CPU: {starved.reason}; worst scheduling lag {starved.lag_seconds:.2f}s")
         if dev is None or dev.last_success is None:
             return False, "not ready: no successful device collection yet" + (f" ({dev.error})" if dev and dev.error else "")
-        if self.server is not None and not self.server.published:
-            # devices are read but the cycle's metrics are not rendered yet: a scrape now
-            # would get no data, so not ready until there is something to serve
-            return False, "not ready: first collection cycle still rendering"
+        if not self.expositions.published:  # devices read, the cycle not yet published: nothing to serve
+            return False, "not ready: first collection cycle still running"
+        if self.expositions.error is not None:  # a render failed: logged; the last good bytes are served
+            if not self.expositions.rendered:
+                return False, f"not ready: {self.expositions.error}"
+            problems.append(f"{self.expositions.error}; serving the last metrics rendered")
         age = time.monotonic() - dev.last_success
         if age > limit:
             why = f"not ready: last successful device collection {age:.1f}s ago (limit {limit:.1f}s): {dev.error or 'sampler stalled'}"

@@ -22,14 +22,23 @@ def test_quick_benchmark_run_reports_every_measurement(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert [row["concurrency"] for row in r["scrape"]["rows"]] == [1, 10]
+    # 1 and 10 scrapers, and 10 again with every cycle rendered by a scrape (no eager render)
+    assert [(row["concurrency"], row["on_demand_only"]) for row in r["scrape"]["rows"]] == [(1, False), (10, False), (10, True)]
     assert all(row["metrics_p99_ms"] > 0 and row["static_p99_ms"] > 0 for row in r["scrape"]["rows"])
+    # what the first scrape after a cycle pays for rendering it
+    assert r["first_scrape"]["rounds"] == 5 and r["first_scrape"]["first_p99_ms"] > 0 and r["first_scrape"]["render_cpu_p50_ms"] > 0
     assert r["cycle"]["devices"] == 64 and r["cycle"]["cycle_p99_ms"] > 0
     # the cycle is measured in the agent's own process: 8 GPUs, then the dense node
     assert [row["devices"] for row in r["cycle"]["rows"]] == [8, 64]
     assert all(row["cycle_cpu_p99_ms"] > 0 and row["series"] > 0 for row in r["cycle"]["rows"])
     # the 8-GPU node at 1 s and at the default 5 s interval (PRODUCT's targets)
     assert r["cycle"]["eight_gpus_cpu_percent_1s"] > 0 and r["cycle"]["eight_gpus_cpu_percent_5s"] > 0
+    # every CPU window ran with its scraper (rendering happens on demand): a Prometheus-like one,
+    # and one scrape per cycle; each cycle's render is counted in the cycle's CPU
+    for row in r["cycle"]["rows"]:
+        assert row["render_cpu_p50_ms"] > 0 and row["cycle_cpu_p50_ms"] > row["render_cpu_p50_ms"]
+        for key in ("1s", "1s_every_cycle", "5s", "5s_every_cycle"):
+            assert row[f"cpu_percent_{key}_interval"] > 0 and row[f"scrapes_{key}"] >= 1 and 1 <= row[f"renders_{key}"] <= row[f"cpu_window_{key}_s"]
     assert [row["level"] for row in r["gzip"]["rows"]] == [1, 3, 5, 6, 9]
     # the raw baseline makes exactly the library calls one backend read makes
     assert r["nvml"]["calls_per_read"]["nvmlDeviceGetFieldValues"] == 1.0

@@ -86,7 +86,7 @@ def test_accept_and_accept_encoding_parsing():
 
 
 def test_formats_head_404_405_and_headers(server):
-    exp = server._exposition
+    exp = server.current()
     status, h, body = request(server)
     assert (status, h["Content-Type"], body) == (200, CONTENT_TYPE, exp.body)
     assert h["Server"] == "dra-gpu-exporter"  # no Python, no version
@@ -112,7 +112,7 @@ def test_both_formats_parse_and_pass_promtool(server):
     """The same cycle in both formats: prometheus_client's parsers accept each, with the same
     samples (OpenMetrics names counters without _total in the family, as the library does)."""
     server.publish(exposition(server))
-    exp = server._exposition
+    exp = server.current()
     text = {(s.name, tuple(sorted(s.labels.items())), s.value) for f in text_string_to_metric_families(exp.body.decode()) for s in f.samples}
     om = {(s.name, tuple(sorted(s.labels.items())), s.value) for f in om_families(exp.openmetrics.decode()) for s in f.samples}
     assert ("gpu_ecc_errors_total", (("node", "node-t"), ("type", "correctable"), ("uuid", UUID)), 3.0) in om
@@ -247,12 +247,12 @@ def test_a_scrapers_keep_alive_connection_outlives_an_idle_connection_flood():
     socks = []
     try:
         scraper.request("GET", "/metrics")
-        assert scraper.getresponse().read() == s._exposition.body
+        assert scraper.getresponse().read() == s.current().body
         socks = [socket.create_connection(("127.0.0.1", s.port), timeout=20) for _ in range(64)]
         wait_until(lambda: s.stats().evicted >= 64 - 15, message="the flood evicting its own idle connections")
         scraper.request("GET", "/metrics")  # the same connection: it was not the one to go
         r = scraper.getresponse()
-        assert (r.status, r.read()) == (200, s._exposition.body)
+        assert (r.status, r.read()) == (200, s.current().body)
     finally:
         scraper.close()
         for x in socks:

@@ -242,7 +242,7 @@ def test_a_valid_credential_is_served_while_twelve_connections_guess():
         c = http.client.HTTPConnection("127.0.0.1", s.port, timeout=300)
         c.request("GET", "/metrics", headers=basic("prometheus", PASSWORD))
         r = c.getresponse()
-        assert (r.status, r.read()) == (200, s._exposition.body)
+        assert (r.status, r.read()) == (200, s.current().body)
         c.close()
     finally:
         stop.set()
@@ -424,7 +424,7 @@ def test_a_scraper_is_answered_while_a_thousand_clients_keep_requesting(more_fil
             try:
                 c.request("GET", "/metrics")
                 r = c.getresponse()
-                polls.append(r.status if r.read() == s._exposition.body else "short body")
+                polls.append(r.status if r.read() == s.current().body else "short body")
             except (OSError, http.client.HTTPException) as e:
                 polls.append(type(e).__name__)
             finally:

@@ -1,7 +1,8 @@
 """Snapshot -> Prometheus exposition bytes, incrementally.
 
-Rendering happens once per collection cycle, never per scrape: the HTTP handler serves the
-last rendered bytes. The collector below follows prometheus/client_python's custom-collector
+Rendering happens at most once per collection cycle, never per scrape, and only for a cycle
+whose bytes something asks for (exporter/metrics/ondemand.py): the HTTP handler serves the last
+rendered bytes. The collector below follows prometheus/client_python's custom-collector
 pattern (``collect()`` yields metric families): prometheus_client's families, names, help and
 types are the contract, and its ``generate_latest`` (text 0.0.4 and OpenMetrics 1.0) is the
 oracle a property test compares our bytes with, byte for byte.
@@ -26,7 +27,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -94,7 +95,11 @@ class PendingEvictionView(Protocol):
 
 @dataclass
 class RenderState:
-    """Everything a render needs besides the snapshot; each part owned by its producer."""
+    """Everything a render needs besides the snapshot; each part owned by its producer.
+
+    Published by the sampler each cycle and rendered later, on another thread, if a scrape asks
+    (exporter/metrics/ondemand.py): every part must be immutable or a copy made for it, never a
+    live object the next cycle changes."""
 
     snapshot: Snapshot | None = None
     xid_counts: Mapping[tuple[str, int], int] = field(default_factory=dict)
@@ -121,6 +126,7 @@ class RenderState:
     usage: Usage | None = None  # billing totals and device splits (exporter.model.usage); None: not exported
 
 
+_NO_STATE = RenderState()  # what the collector holds between renders
 _second = operator.itemgetter(1)  # a row's value
 
 
@@ -604,7 +610,10 @@ class SnapshotCollector(Collector):
             yield active
 
 
-_GZIPPED_OF = {"gzipped": "body", "openmetrics_gzipped": "openmetrics"}  # compressed form -> what it compresses
+# The four forms of an exposition, by the name of the property that gives it.
+Form = Literal["body", "openmetrics", "gzipped", "openmetrics_gzipped"]
+FORMS: tuple[Form, ...] = ("body", "openmetrics", "gzipped", "openmetrics_gzipped")
+_GZIPPED_OF: dict[str, Form] = {"gzipped": "body", "openmetrics_gzipped": "openmetrics"}  # compressed form -> what it compresses
 
 
 class Exposition:
@@ -648,6 +657,14 @@ class Exposition:
                         data = "".join(self._parts.pop(which)).encode("utf-8")
                     self._done[which] = data
         return data
+
+    def get(self, form: Form) -> bytes:
+        """One of the four forms, made now if it is not yet (joined, or compressed: milliseconds)."""
+        return self._get(form)
+
+    def ready(self, form: Form) -> bool:
+        """Whether ``form`` is made already: reading it costs nothing."""
+        return form in self._done
 
     @property
     def body(self) -> bytes:
@@ -710,8 +727,14 @@ class Renderer:
         self._headers: dict[tuple[Any, ...], tuple[str, str, str, str]] = {}
 
     def render(self, state: RenderState) -> Exposition:
+        """``state``'s exposition. One caller at a time (exporter/metrics/ondemand.py holds a
+        lock around it): the caches below carry over from one render to the next."""
         self.collector.state = state
-        return self.render_families(self.registry.collect())
+        try:
+            return self.render_families(self.registry.collect())
+        finally:
+            # Rendered on demand, a state may be many cycles old by the next render: keep none.
+            self.collector.state = _NO_STATE
 
     def render_families(self, families: Iterable[Metric]) -> Exposition:
         """The exposition of ``families`` (what ``generate_latest`` would make of a registry

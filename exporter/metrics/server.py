@@ -1,9 +1,12 @@
-"""HTTP endpoints: /metrics (cached bytes), /healthz (alive), /readyz (fresh data).
+"""HTTP endpoints: /metrics (the newest cycle's bytes), /healthz (alive), /readyz (fresh data).
 
-A scrape never touches a device or the network: it copies out the last rendered exposition,
-in the format and encoding the client asked for, all four variants rendered once per cycle.
-That keeps scrapes fast and independent of a hung driver or an API outage. The connection
-handling and its limits live in web.py; TLS, basic auth and headers come from web_config.py.
+A scrape never touches a device or the network: it gets the exposition of the newest state the
+sampler published, in the format and encoding the client asked for. The bytes are made at most
+once per cycle and form, by the first request that needs them, on the render thread, never on
+the event loop (ondemand.py): other connections are served meanwhile, and concurrent scrapes of
+one cycle share one render. That keeps scrapes fast and independent of a hung driver or an API
+outage. The connection handling and its limits live in web.py; TLS, basic auth and headers
+come from web_config.py.
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
 import structlog
 
-from .render import Exposition
+from ..text import one_line
+from .ondemand import Fixed
+from .render import Exposition, Form
 from .web import HttpServer, Limits, Request, Response, bind
 from .webconfig import ReloadingContext, WebConfig, client_san_problem
 from .webstats import HttpStats
@@ -38,6 +44,14 @@ _INDEX = b"""<html><head><title>dra-gpu-exporter</title></head><body>
 </ul></body></html>
 """
 _TEXT = "text/plain; charset=utf-8"
+
+
+class Expositions(Protocol):
+    """Where /metrics gets its bytes: exporter.metrics.ondemand.OnDemand (the agent's), or Fixed."""
+
+    @property
+    def published(self) -> bool: ...
+    def request(self, form: Form | None = None) -> Future[Exposition | None]: ...
 
 
 def _qvalues(header: str) -> list[tuple[str, float]]:
@@ -268,7 +282,7 @@ class MetricsServer:
         self.readiness = readiness
         self.liveness = liveness
         self.web_config = web_config or WebConfig()
-        self._exposition: Exposition | None = None  # None until the first cycle is rendered
+        self._source: Expositions | None = None  # None until the first cycle is published
         self._static: bytes | None = None  # for the benchmark's static-body baseline
         self._tls = ReloadingContext(self.web_config.tls) if self.web_config.tls else None
         self._auth = _BasicAuth(self.web_config.basic_auth_users) if self.web_config.basic_auth_users else None
@@ -304,11 +318,23 @@ class MetricsServer:
 
     @property
     def published(self) -> bool:
-        """Whether there is an exposition to serve."""
-        return self._exposition is not None
+        """Whether there is a state to serve (its bytes are made by the first scrape that wants them)."""
+        src = self._source
+        return src is not None and src.published
+
+    def serve_from(self, source: Expositions) -> None:
+        """Serve what ``source`` publishes (the agent's OnDemand: rendered when asked)."""
+        self._source = source
 
     def publish(self, exposition: Exposition) -> None:
-        self._exposition = exposition
+        """Serve these bytes until told otherwise (tests; the agent serves from its OnDemand)."""
+        self._source = Fixed(exposition)
+
+    def current(self, timeout: float | None = 30.0) -> Exposition | None:
+        """What /metrics serves now, rendered if it is not yet (blocks: tests and benchmarks,
+        never the event loop)."""
+        src = self._source
+        return src.request().result(timeout) if src is not None else None
 
     def serve_static(self, body: bytes) -> None:
         """Serve ``body`` at /static (benchmark baseline: same server, no rendering)."""
@@ -368,20 +394,41 @@ class MetricsServer:
             self._http.client_log("http_unauthorized", peer=req.peer)
             return Response(401, b"unauthorized\n", [("Content-Type", _TEXT), ("WWW-Authenticate", 'Basic realm="dra-gpu-exporter"')])
         if path == "/metrics":
-            return self._metrics(req)
+            return await self._metrics(req)
         if path == "/static":
             return Response(200, self._static or b"", [("Content-Type", CONTENT_TYPE)])
         return Response(200, _INDEX, [("Content-Type", "text/html; charset=utf-8")])
 
-    def _metrics(self, req: Request) -> Response:
-        exp = self._exposition  # one reference read: a consistent body
-        if exp is None:
+    # A render (and gzip) takes milliseconds, a second for a huge node on a starved CPU; past
+    # this a scrape is answered 503 rather than holding its connection (never evicted while a
+    # request is in flight) for as long as something is wrong with the render thread.
+    RENDER_TIMEOUT = 30.0
+
+    async def _metrics(self, req: Request) -> Response:
+        src = self._source  # one reference read
+        if src is None or not src.published:
             # Before the first cycle there is nothing true to say: an empty 200 would read as
             # "this node has no GPUs". Prometheus records the target as down.
             return Response(503, b"no metrics yet: the first collection cycle is still running\n", [("Content-Type", _TEXT)])
         om = wants_openmetrics(req.headers.get("accept", ""))
         gz = wants_gzip(req.headers.get("accept-encoding", ""))
-        body = (exp.openmetrics_gzipped if gz else exp.openmetrics) if om else (exp.gzipped if gz else exp.body)
+        form: Form = ("openmetrics_gzipped" if gz else "openmetrics") if om else ("gzipped" if gz else "body")
+        try:
+            job = src.request(form)
+        except RuntimeError:  # stopping
+            return Response(503, b"stopping\n", [("Content-Type", _TEXT)])
+        try:
+            # Shielded: a client that goes away must not cancel the render other scrapes share.
+            exp = job.result() if job.done() else await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job)), self.RENDER_TIMEOUT)
+        except TimeoutError:
+            log.warning("metrics_render_slow", waited_seconds=self.RENDER_TIMEOUT)
+            return Response(503, b"metrics not rendered in time: retry\n", [("Content-Type", _TEXT), ("Retry-After", "1")])
+        except Exception as e:  # the job itself broke (a render's own failure is caught in it)
+            log.warning("metrics_job_failed", error=one_line(e))
+            exp = None
+        if exp is None:  # every render so far failed (logged, and said in /readyz)
+            return Response(500, b"metrics could not be rendered: see the agent's log and /readyz\n", [("Content-Type", _TEXT)])
+        body = exp.get(form)  # made by the job: no work here
         headers = [("Content-Type", OPENMETRICS_CONTENT_TYPE if om else CONTENT_TYPE), ("Vary", "Accept, Accept-Encoding")]
         if gz:
             headers.append(("Content-Encoding", "gzip"))
