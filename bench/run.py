@@ -11,6 +11,7 @@ HTTP Kubernetes API emulation. Results are written to bench/results/latest.json 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -492,13 +493,16 @@ LEAN_EXCLUDE = "dra_claim_pods,dra_claim_memory_total_bytes,dra_claim_power_watt
 
 def bench_series() -> None:
     from exporter.config import parse_exclude_metrics
-    from exporter.metrics.render import Renderer, RenderState
+    from exporter.metrics.render import Renderer
 
     node = Node(big_scenario(), interval=3600)
     node.start(serve=False)
     try:
-        node.agent.run_cycle()
-        snap = node.agent.snapshot
+        for _ in range(2):  # the billing counters appear with the second reading of the GPUs' energy
+            node.clock.advance_to(node.clock.now() + 5.0)
+            node.agent.run_cycle()
+        published = node.agent.expositions.state  # the whole state a scrape renders (billing, self-metrics)
+        assert published is not None
         out = {}
         lean = parse_exclude_metrics(LEAN_EXCLUDE)
         for label, compat, allow, excluded in (
@@ -506,8 +510,10 @@ def bench_series() -> None:
             ("with pod labels", False, ("app",), frozenset()),
             ("dcgm-compat labels", True, (), frozenset()),
             ("lean (--exclude-metrics)", False, (), lean),
+            ("lean, no per-pod billing", False, (), parse_exclude_metrics(LEAN_EXCLUDE + ",dra_pod_*")),
         ):
-            body = Renderer().render(RenderState(snapshot=snap, pod_label_allowlist=allow, dcgm_compat=compat, excluded=excluded)).body.decode()
+            state = dataclasses.replace(published, pod_label_allowlist=allow, dcgm_compat=compat, excluded=excluded)
+            body = Renderer().render(state).body.decode()
             n = sum(1 for line in body.splitlines() if line and not line.startswith("#"))
             out[label] = n
         RESULTS["series"] = out
