@@ -336,3 +336,21 @@ def test_a_claim_not_allocated_yet_is_asked_again_soon():
         clock.advance(3600.0)
         cache.refresh([("ml", "p")])
         assert claim_gets(server) == before  # allocated now: kept
+
+
+def test_the_connection_pool_holds_what_the_agent_uses_at_once(monkeypatch):
+    """On a 2-CPU node the kubernetes client's default pool is 10 connections, fewer than the
+    agent's start-up claim fetches plus its watches: each burst's surplus was discarded
+    ("Connection pool is full") and re-opened to the API server on the next one."""
+    import multiprocessing
+
+    from exporter.k8s import connection
+    from exporter.k8s.claims import FETCH_PARALLEL
+
+    monkeypatch.setattr(multiprocessing, "cpu_count", lambda: 2)
+    with running_apiserver("1.34") as server:
+        api = client_for(server)
+    size = api.configuration.connection_pool_maxsize
+    watches = 4  # ResourceSlices, Node, own DeviceTaintRules, the budget
+    assert size == connection.POOL_CONNECTIONS >= FETCH_PARALLEL + watches + 4
+    assert api.rest_client.pool_manager.connection_pool_kw["maxsize"] == size

@@ -154,6 +154,13 @@ def _read_bounded(resp: Any, limit: int) -> bytes:
 # --------------------------------------------------------------------------- connecting
 
 
+# Connections to the API server the agent may use at once: 8 claim fetches at start-up
+# (claims.FETCH_PARALLEL), 4 watches (its ResourceSlices, its Node, its own DeviceTaintRules and,
+# while a slot is wanted, the budget) and one each for the pods list, a rule write, an Event and
+# a pod read (evictions).
+POOL_CONNECTIONS = 16
+
+
 def connect(kubeconfig: str | None) -> ApiClient | None:
     """Build an API client, or ``None`` when there is no configuration to use.
 
@@ -190,6 +197,10 @@ def connect(kubeconfig: str | None) -> ApiClient | None:
         total=3, connect=3, read=0, status=0, other=0, redirect=3,
         raise_on_status=False, respect_retry_after_header=False,
     )
+    # The client's default pool is 5 connections per CPU the *node* has (10 on a 2-core node),
+    # less than the agent keeps in use at once there; urllib3 then discards the surplus after
+    # each burst and the next burst opens new TCP and TLS connections to the API server.
+    cfg.connection_pool_maxsize = POOL_CONNECTIONS
     api = ApiClient(configuration=cfg)
     api.user_agent = "dra-gpu-exporter"
     log.info("k8s_connected", source=source, host=cfg.host)
