@@ -254,17 +254,25 @@ class ClusterBudget:
                 if key in self._waiting and time.monotonic() < self._not_before:
                     return False  # a slot is free: this holder's turn is still to come
             data[key] = f"{self.clock():.0f}"
-            try:
-                request_json(self.client, "PUT", self._path, body={**obj, "data": data}, timeout=API_TIMEOUT)
-            except ApiError as e:
-                if e.status != 409:
-                    raise
-                self.conflicts += 1
+            if not self._put(obj, data):
                 tried = _rv(obj)
                 continue
             log.info("budget_taken", holder=key, capacity=self.capacity)
             return self._done(key, True)
         raise ApiError(status=409, reason="Conflict", message=f"budget {self.namespace}/{self.name}: still conflicting after {self.attempts} attempts")
+
+    def _put(self, obj: dict[str, Any], data: dict[str, Any]) -> bool:
+        """Write ``obj`` with ``data``, conditional on the resourceVersion it was read at. False
+        when someone wrote it meanwhile (409, counted in ``conflicts``: read it again); any other
+        error raises."""
+        try:
+            request_json(self.client, "PUT", self._path, body={**obj, "data": data}, timeout=API_TIMEOUT)
+        except ApiError as e:
+            if e.status != 409:
+                raise
+            self.conflicts += 1
+            return False
+        return True
 
     def _done(self, key: str, answer: bool) -> bool:
         with self._lock:
@@ -286,12 +294,7 @@ class ClusterBudget:
             if key not in data:
                 break
             del data[key]
-            try:
-                request_json(self.client, "PUT", self._path, body={**obj, "data": data}, timeout=API_TIMEOUT)
-            except ApiError as e:
-                if e.status != 409:
-                    raise
-                self.conflicts += 1
+            if not self._put(obj, data):
                 time.sleep(self._rng() * min(CONFLICT_PAUSE, 0.02 * 2**attempt))
                 continue
             log.info("budget_released", holder=key)

@@ -110,10 +110,15 @@ def _physical_fallbacks(dev: NvmlDevice) -> None:
     dev.fallbacks["temperature"], dev.fallbacks["clock_reasons"] = temp_calls, reason_calls
 
 
-def read_temperature(calls: Calls, dev: NvmlDevice, r: DeviceReading) -> None:
-    if "temperature" not in dev.fallbacks:
+def _first_of(calls: Calls, dev: NvmlDevice, what: str) -> Any:
+    """The first answer of ``what``'s fallback chain (the chains are made on first use)."""
+    if what not in dev.fallbacks:
         _physical_fallbacks(dev)
-    temp = calls.first(dev, dev.fallbacks["temperature"])
+    return calls.first(dev, dev.fallbacks[what])
+
+
+def read_temperature(calls: Calls, dev: NvmlDevice, r: DeviceReading) -> None:
+    temp = _first_of(calls, dev, "temperature")
     if temp is not None:
         r.temperature_celsius = float(temp)
 
@@ -129,9 +134,7 @@ def read_clocks(calls: Calls, dev: NvmlDevice, r: DeviceReading) -> None:
 
 
 def read_clock_reasons(calls: Calls, dev: NvmlDevice, r: DeviceReading) -> None:
-    if "clock_reasons" not in dev.fallbacks:
-        _physical_fallbacks(dev)
-    reasons = calls.first(dev, dev.fallbacks["clock_reasons"])
+    reasons = _first_of(calls, dev, "clock_reasons")
     if reasons is not None:
         r.clock_event_reasons = int(reasons)
 
