@@ -15,14 +15,20 @@ nothing when the test passes and only says how long to keep trying before callin
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import TypeVar
+
+from prometheus_client.parser import text_string_to_metric_families
 
 T = TypeVar("T")
 
@@ -89,3 +95,42 @@ def stop_process(proc: subprocess.Popen, timeout: float = 15.0) -> int:  # type:
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait()
+
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def scrape_samples(url: str) -> Samples:
+    """GET ``url``/metrics (it must answer 200) and parse it with prometheus_client's parser:
+    sample name -> [(labels, value), ...]."""
+    status, raw = fetch(f"{url}/metrics")
+    assert status == 200, status
+    out: Samples = {}
+    for fam in text_string_to_metric_families(raw.decode()):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+@contextmanager
+def running_demo(port: int, *args: str, env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None) -> Iterator[subprocess.Popen]:  # type: ignore[type-arg]
+    """``python -m exporter demo --listen 127.0.0.1:PORT ARGS`` until the block ends (Ctrl-C,
+    then kill), entered once its /readyz says ready. A demo that exits first fails at once with
+    the end of its stderr, which goes to a file (a pipe nobody reads could fill and stall it)."""
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "exporter", "demo", "--listen", f"127.0.0.1:{port}", *args],
+            stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL, env=None if env is None else dict(env), cwd=cwd,
+        )
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                err.seek(0)
+                raise RuntimeError(f"demo exited with {proc.returncode}: {err.read().decode(errors='replace')[-2000:]}")
+            return fetch(f"http://127.0.0.1:{port}/readyz", timeout=2)[0] == 200
+
+        try:
+            wait_until(ready, 60, interval=0.2, message="demo /readyz", ignore=(Exception,), fatal=(RuntimeError,))
+            yield proc
+        finally:
+            stop_process(proc, timeout=15)

@@ -40,10 +40,7 @@ def amdsmi_module():
 @pytest.fixture(autouse=True)
 def _detach_fake_node():
     yield
-    node = fake.FAKE_LIB.node
-    if node is not None:
-        node.release_all()
-    fake.FAKE_LIB.node = None
+    fake.detach_node()
 
 
 def make_node(*extra: FakeAmdGpu, cpx_reversed: bool = False) -> FakeAmdSmiNode:

@@ -41,10 +41,7 @@ def amdsmi_module():
 @pytest.fixture(autouse=True)
 def _detach_fake_node():
     yield
-    node = fake.FAKE_LIB.node
-    if node is not None:
-        node.release_all()
-    fake.FAKE_LIB.node = None
+    fake.detach_node()
 
 
 def mi300x_node() -> tuple[FakeAmdSmiNode, list[FakeAmdGpu]]:

@@ -24,15 +24,8 @@ from typing import Any
 
 import pytest
 import yaml
-from prom_helpers import (  # tests/ is on sys.path
-    NO_PROMETHEUS_REASON,
-    PROMETHEUS,
-    PrometheusServer,
-    fetch,
-    free_port,
-    start_prometheus,
-    wait_until,
-)
+from kit_helpers import free_port, running_demo, wait_until  # tests/ is on sys.path
+from prom_helpers import NO_PROMETHEUS_REASON, PROMETHEUS, PrometheusServer, start_prometheus
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARDS = sorted((REPO / "dashboards").glob("*.json"))
@@ -206,48 +199,28 @@ def prom(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PrometheusS
     port = free_port()
     start = time.time()
     # The ServiceMonitor copies the pod's node name into `node` on the target; do the same here.
-    with start_prometheus(
-        [f"127.0.0.1:{port}"],
-        tmp_path_factory.mktemp("prometheus"),
-        scrape_interval=f"{SCRAPE_INTERVAL_S}s",
-        rule_files=[RULES],
-        target_labels={"node": node},
-    ) as server:
+    with (
+        start_prometheus(
+            [f"127.0.0.1:{port}"],
+            tmp_path_factory.mktemp("prometheus"),
+            scrape_interval=f"{SCRAPE_INTERVAL_S}s",
+            rule_files=[RULES],
+            target_labels={"node": node},
+        ) as server,
         # x20: the scenario's XID 79 (1 simulated minute in) lands 3 s after start and the GPU is
         # lost until 9 s, several scrapes wide. 0.5 s collection keeps up with the faster clock.
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "exporter", "demo", "--listen", f"127.0.0.1:{port}",
-             "--scenario", str(scenario), "--time-scale", "20", "--interval", "0.5",
-             "--log-format", "json", "--log-level", "warning"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            cwd=REPO,
-        )
-
-        def demo_ready() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError(f"demo exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
-            return fetch(f"http://127.0.0.1:{port}/readyz", timeout=2)[0] == 200
-
-        try:
-            wait_until(demo_ready, 60, interval=0.2, message="demo /readyz", ignore=(Exception,), fatal=(RuntimeError,))
-            server.wait_for_targets_up()
-            # The fault, and enough samples for rate windows.
-            server.wait_for_query('count(max_over_time(gpu_health_condition{tier="fatal"}[5m])) > 0', timeout=60)
-            server.wait_for_query('gpu_xid_errors_total{xid="79"}', timeout=60)
-            server.wait_for_query('count_over_time(up{job="dra-gpu-exporter"}[5m]) >= 8', timeout=60)
-            # rate() needs two samples: the lost GPU's read-error counter appears with the fault,
-            # so wait for its second scrape instead of hoping the panels run late enough.
-            server.wait_for_query('count_over_time(gpu_read_errors_total[5m]) >= 2', timeout=60)
-            yield server, start
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+        running_demo(port, "--scenario", str(scenario), "--time-scale", "20", "--interval", "0.5",
+                     "--log-format", "json", "--log-level", "warning", cwd=REPO),
+    ):
+        server.wait_for_targets_up()
+        # The fault, and enough samples for rate windows.
+        server.wait_for_query('count(max_over_time(gpu_health_condition{tier="fatal"}[5m])) > 0', timeout=60)
+        server.wait_for_query('gpu_xid_errors_total{xid="79"}', timeout=60)
+        server.wait_for_query('count_over_time(up{job="dra-gpu-exporter"}[5m]) >= 8', timeout=60)
+        # rate() needs two samples: the lost GPU's read-error counter appears with the fault,
+        # so wait for its second scrape instead of hoping the panels run late enough.
+        server.wait_for_query('count_over_time(gpu_read_errors_total[5m]) >= 2', timeout=60)
+        yield server, start
 
 
 def _window(prom: tuple[PrometheusServer, float]) -> tuple[PrometheusServer, float, float]:

@@ -408,7 +408,7 @@ def _expected_in_demo(gen: Generation) -> set[str]:
 @pytest.mark.prometheus
 @pytest.mark.parametrize("loaded", ["4.8", "4.9", "both"])
 def test_the_dcgm_dashboards_get_data_from_the_demo(tmp_path: Path, loaded: str) -> None:
-    from kit_helpers import fetch, free_port, stop_process, wait_until
+    from kit_helpers import free_port, running_demo, wait_until
     from prom_helpers import NO_PROMETHEUS_REASON, PROMETHEUS, start_prometheus
 
     if PROMETHEUS is None:
@@ -416,12 +416,7 @@ def test_the_dcgm_dashboards_get_data_from_the_demo(tmp_path: Path, loaded: str)
     gens = [g for g in GENERATIONS if loaded in (g.name, "both")]
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DRA_GPU_EXPORTER_")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "exporter", "demo", "--listen", f"127.0.0.1:{port}", "--log-format", "json"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-    )
-    try:
-        wait_until(lambda: fetch(f"http://127.0.0.1:{port}/readyz", timeout=2)[0] == 200, 60, interval=0.2, message="demo /readyz", ignore=(OSError,))
+    with running_demo(port, "--log-format", "json", env=env) as proc:
         with start_prometheus([f"127.0.0.1:{port}"], tmp_path, scrape_interval="1s", rule_files=[g.rules for g in gens]) as prom:
             prom.wait_for_targets_up(timeout=60)
             for gen in gens:
@@ -437,8 +432,6 @@ def test_the_dcgm_dashboards_get_data_from_the_demo(tmp_path: Path, loaded: str)
                 for name in sorted(KEPT & expected):
                     wait_until(lambda: _once_per_holder(prom.query(name)), 60, interval=0.5, message=f"{name} once per holder", ignore=(Exception,))  # noqa: B023 - polled in this iteration
         assert proc.poll() is None, "the demo kept running"
-    finally:
-        stop_process(proc, timeout=15)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,7 @@ runs 20x faster than real time, and the test holds it still while it looks at th
 from __future__ import annotations
 
 import pytest
-from kit_helpers import fetch, wait_until
-from prometheus_client.parser import text_string_to_metric_families
+from kit_helpers import scrape_samples, wait_until
 from validation import StrictValidator, validate_strict
 
 from drasim import objects
@@ -47,17 +46,6 @@ SCENARIO = {
         {"kind": "reset", "gpu": "gpu1", "at": "40s"},  # RESET_AT
     ],
 }
-
-
-def scrape(url: str) -> dict[str, list]:
-    status, raw = fetch(f"{url}/metrics")
-    assert status == 200, status
-    body = raw.decode()
-    out: dict[str, list] = {}
-    for fam in text_string_to_metric_families(body):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
 
 
 @pytest.fixture
@@ -106,7 +94,7 @@ def test_xid79_taints_exactly_that_device_and_recovery_removes_it(node):
 
         # the next collection cycle publishes it
         m = wait_until(
-            lambda: (lambda m: m if [lab["effect"] for lab, _ in m.get("dra_device_taint_rule", [])] == ["NoExecute"] else None)(scrape(agent.server.url)),
+            lambda: (lambda m: m if [lab["effect"] for lab, _ in m.get("dra_device_taint_rule", [])] == ["NoExecute"] else None)(scrape_samples(agent.server.url)),
             timeout=60, message="the metrics",
         )
         healthy = {lab["uuid"]: v for lab, v in m["gpu_healthy"]}
@@ -126,7 +114,7 @@ def test_xid79_taints_exactly_that_device_and_recovery_removes_it(node):
         clock.resume(scale=SCALE)
         wait_until(lambda: not server.list("resource.k8s.io", "devicetaintrules"), timeout=60, message="the rule's removal")
         assert clock.now() > RESET_AT
-        wait_until(lambda: not scrape(agent.server.url).get("dra_device_taint_rule"), timeout=60, message="the series to go")
+        wait_until(lambda: not scrape_samples(agent.server.url).get("dra_device_taint_rule"), timeout=60, message="the series to go")
     finally:
         agent.stop()
 

@@ -66,8 +66,7 @@ def amd_node(amdsmi_module):
             FakeAmdGpu(uuid="9d2c4f6a-0000-1000-8000-0c42a1b2c3e5", bdf="0000:83:00.0", card=9, render=136, vram_total=192 * GiB)]
     fake.FAKE_LIB.node = FakeAmdSmiNode(gpus)
     yield gpus
-    fake.FAKE_LIB.node.release_all()
-    fake.FAKE_LIB.node = None
+    fake.detach_node()
 
 
 def test_the_amd_drivers_taints_and_foreign_rules_are_no_health_no_budget_and_not_ours(amd_node, tmp_path):

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import urllib.request
 from pathlib import Path
 
 from fakes.fake_nvml import FakeGpu, FakeNvml, installed
 from k8s_helpers import publish_scenario, running_apiserver, wait_until, write_kubeconfig
-from prometheus_client.parser import text_string_to_metric_families
+from kit_helpers import scrape_samples
 
 from drasim import objects
 from drasim.kubelet import FakeKubelet
@@ -46,16 +45,6 @@ SCENARIO = {
 }
 
 
-def scrape(url: str) -> dict[str, list]:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        body = resp.read().decode()
-    out: dict[str, list] = {}
-    for fam in text_string_to_metric_families(body):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
-
-
 def by_uuid(m: dict, name: str) -> dict[str, float]:
     return {lab["uuid"]: v for lab, v in m.get(name, [])}
 
@@ -83,7 +72,7 @@ def test_a_gpu_lost_before_start_is_fatal_with_series_from_the_first_cycle():
             agent.start()
             wait_until(lambda: agent.src.get("slices").watcher.synced, timeout=30, message="ResourceSlices listed")
             agent.run_cycle()  # the first cycle after the slices are listed
-            m = scrape(agent.server.url)
+            m = scrape_samples(agent.server.url)
 
             up, healthy = by_uuid(m, "gpu_up"), by_uuid(m, "gpu_healthy")
             instances = [mm.uuid for mm in mig_parent.mig]

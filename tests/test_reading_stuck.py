@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import urllib.request
 from pathlib import Path
 
 import pynvml
@@ -21,7 +20,7 @@ import pytest
 from clock_helpers import ManualClock
 from fakes.fake_nvml import FI_ENERGY, FakeGpu, FakeNvml, installed
 from k8s_helpers import publish_scenario, running_apiserver, wait_until, write_kubeconfig
-from prometheus_client.parser import text_string_to_metric_families
+from kit_helpers import scrape_samples
 
 from drasim import objects
 from drasim.kubelet import FakeKubelet
@@ -154,16 +153,6 @@ SCENARIO = {
 }
 
 
-def scrape(url: str) -> dict[str, list]:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        body = resp.read().decode()
-    out: dict[str, list] = {}
-    for fam in text_string_to_metric_families(body):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
-
-
 def test_a_frozen_energy_counter_under_power_is_reading_stuck_and_no_rule_is_written():
     sc = parse_scenario(SCENARIO, "stuck")
     g0, g1 = sc.gpu("gpu0"), sc.gpu("gpu1")
@@ -197,7 +186,7 @@ def test_a_frozen_energy_counter_under_power_is_reading_stuck_and_no_rule_is_wri
                 clock.advance(100)
                 fake.set_field(g1.uuid, FI_ENERGY, 5_000_000 + step * 40_000_000)
                 agent.run_cycle()
-            m = scrape(agent.server.url)
+            m = scrape_samples(agent.server.url)
             conds = {(lab["uuid"], lab["tier"], lab["reason"]) for lab, _ in m["gpu_health_condition"]}
             assert conds == {(g0.uuid, "degraded", "reading_stuck")}
             healthy = {lab["uuid"]: v for lab, v in m["gpu_healthy"]}

@@ -12,8 +12,6 @@ splits are exact on the exporter's own counters (equal halves of the shared clai
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,8 +19,8 @@ from typing import Any
 
 import pytest
 import yaml
-from prom_helpers import NO_PROMETHEUS_REASON, PROMETHEUS, PrometheusServer, fetch, free_port, start_prometheus, wait_until
-from prometheus_client.parser import text_string_to_metric_families
+from kit_helpers import Samples, free_port, running_demo, scrape_samples
+from prom_helpers import NO_PROMETHEUS_REASON, PROMETHEUS, PrometheusServer, start_prometheus
 from test_dashboards import BUILTINS, SCRAPE_INTERVAL_S, load, substitute, targets
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,53 +39,28 @@ def showback(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometh
     node = str(yaml.safe_load(SCENARIO.read_text())["node"])
     port = free_port()
     start = time.time()
-    with start_prometheus(
-        [f"127.0.0.1:{port}"], tmp_path_factory.mktemp("prometheus"), scrape_interval=f"{SCRAPE_INTERVAL_S}s",
-        rule_files=[RULES], target_labels={"node": node},
-    ) as server:
-        # x10 with a 0.25 s cycle: 2.5 simulated seconds a cycle, each 60 s batch job seen by ~24 cycles
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "exporter", "demo", "--listen", f"127.0.0.1:{port}", "--scenario", str(SCENARIO),
-             "--time-scale", "10", "--interval", "0.25", "--log-format", "json", "--log-level", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd=REPO,
-        )
-
-        def demo_ready() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError(f"demo exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
-            return fetch(f"http://127.0.0.1:{port}/readyz", timeout=2)[0] == 200
-
-        try:
-            wait_until(demo_ready, 60, interval=0.2, message="demo /readyz", ignore=(Exception,), fatal=(RuntimeError,))
-            server.wait_for_targets_up()
-            # job-1 ran from 10 s to 70 s (simulated), job-2 from 80 s: once job-2 has energy, job-1's
-            # claim is gone from the node and only its kept series tells what it used. increase()
-            # (the panels') needs two samples of job-2 with energy between them; on a busy machine the
-            # first scrape of job-2 may already show energy, so wait for the increase, not the value.
-            server.wait_for_query('increase(dra_claim_energy_joules_total{claim="job-2"}[10m]) > 0', timeout=120)
-            for ns in sorted(NAMESPACES):
-                server.wait_for_query(f'namespace:dra_pod_energy_joules:rate5m{{namespace="{ns}"}} > 0', timeout=60)
-            yield server, start, f"http://127.0.0.1:{port}"
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+    # Prometheus first, so it sees the demo from its first second. x10 with a 0.25 s cycle: 2.5
+    # simulated seconds a cycle, each 60 s batch job seen by ~24 cycles.
+    with (
+        start_prometheus(
+            [f"127.0.0.1:{port}"], tmp_path_factory.mktemp("prometheus"), scrape_interval=f"{SCRAPE_INTERVAL_S}s",
+            rule_files=[RULES], target_labels={"node": node},
+        ) as server,
+        running_demo(port, "--scenario", str(SCENARIO), "--time-scale", "10", "--interval", "0.25",
+                     "--log-format", "json", "--log-level", "warning", cwd=REPO),
+    ):
+        server.wait_for_targets_up()
+        # job-1 ran from 10 s to 70 s (simulated), job-2 from 80 s: once job-2 has energy, job-1's
+        # claim is gone from the node and only its kept series tells what it used. increase()
+        # (the panels') needs two samples of job-2 with energy between them; on a busy machine the
+        # first scrape of job-2 may already show energy, so wait for the increase, not the value.
+        server.wait_for_query('increase(dra_claim_energy_joules_total{claim="job-2"}[10m]) > 0', timeout=120)
+        for ns in sorted(NAMESPACES):
+            server.wait_for_query(f'namespace:dra_pod_energy_joules:rate5m{{namespace="{ns}"}} > 0', timeout=60)
+        yield server, start, f"http://127.0.0.1:{port}"
 
 
-def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    status, raw = fetch(f"{url}/metrics")
-    assert status == 200
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for fam in text_string_to_metric_families(raw.decode()):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
-
-
-def by(m: dict[str, list[tuple[dict[str, str], float]]], name: str, label: str) -> dict[str, float]:
+def by(m: Samples, name: str, label: str) -> dict[str, float]:
     return {labels[label]: v for labels, v in m.get(name, [])}
 
 
@@ -106,7 +79,7 @@ def run(server: PrometheusServer, start: float, expr: str, **chosen: str) -> lis
 
 def test_exporter_counters_split_exactly(showback: Any) -> None:
     _, _, url = showback
-    m = scrape(url)
+    m = scrape_samples(url)
     claims = by(m, "dra_claim_energy_joules_total", "claim")
     pods = by(m, "dra_pod_energy_joules_total", "pod")
     seconds = by(m, "dra_claim_device_seconds_total", "claim")

@@ -39,6 +39,7 @@ __all__ = [
     "FakeProcess",
     "Status",
     "cpx_gpu",
+    "detach_node",
     "import_amdsmi",
     "mi300x_cpx_amdsmi_7_0",
     "unloadable_amdsmi",
@@ -584,6 +585,15 @@ class FakeAmdSmiLibrary:
 
 #: The one library object amdsmi is bound to in this process (see module docstring).
 FAKE_LIB = FakeAmdSmiLibrary()
+
+
+def detach_node(lib: FakeAmdSmiLibrary = FAKE_LIB) -> None:
+    """End a test's node: wake every call it holds hung, so no backend thread stays blocked in
+    one, and take the node off the library (the next test attaches its own)."""
+    node = lib.node
+    if node is not None:
+        node.release_all()
+    lib.node = None
 
 
 def _is_amdsmi_lib_path(name: Any) -> bool:
