@@ -52,11 +52,8 @@ def pct(xs: list[float], p: float) -> float:
 
 def rendered(agent):
     """The exposition of the agent's newest cycle, rendered now if it is not yet: what a scrape
-    makes the agent do. (Before render on demand, a cycle rendered itself: the server's bytes.)"""
-    ex = getattr(agent, "expositions", None)
-    if ex is not None:
-        return ex.current()
-    return agent.server._exposition if agent.server is not None else agent.renderer.render(agent.renderer.collector.state)
+    makes the agent do."""
+    return agent.expositions.current()
 
 
 def measure_cycles(agent, cycles: int, cpu_seconds: float, cpu_seconds_5s: float = 0.0, scrape_every: float = 15.0) -> dict:
@@ -68,9 +65,8 @@ def measure_cycles(agent, cycles: int, cpu_seconds: float, cpu_seconds_5s: float
         rendered(agent)
     # Each cycle is asked for here, so the sampler would render it eagerly inside run_cycle:
     # held on demand, the render is counted apart (on the render thread: process CPU counts it).
-    ondemand = getattr(agent, "expositions", None)
-    if ondemand is not None:
-        ondemand.EAGER_AFTER = 10**9
+    ondemand = agent.expositions
+    ondemand.EAGER_AFTER = 10**9
     cpu, wall, render = [], [], []
     for _ in range(cycles):
         c0, w0 = time.process_time(), time.perf_counter()
@@ -91,8 +87,7 @@ def measure_cycles(agent, cycles: int, cpu_seconds: float, cpu_seconds_5s: float
         gzip.compress(body, compresslevel=1, mtime=0)
         gz.append(time.process_time() - c0)
     body = rendered(agent).body
-    if ondemand is not None:
-        del ondemand.EAGER_AFTER  # back to the class's: the cadence windows run as the agent does
+    del ondemand.EAGER_AFTER  # back to the class's: the cadence windows run as the agent does
     out = {
         "cycles": cycles,
         "cycle_cpu_p50_ms": pct(cpu, 50) * 1e3,  # the cycle and its render
@@ -129,8 +124,8 @@ def cadence(agent, url: str, seconds: float, interval: float, scrape_every: floa
     scraper = subprocess.Popen([sys.executable, str(ROOT / "bench" / "scraper.py"), url, "--every", str(scrape_every), "--start-at", str(start),
                                 "--until", str(start + seconds)], stdout=subprocess.PIPE, text=True)
     time.sleep(max(0.0, start - time.time()))
-    ondemand = getattr(agent, "expositions", None)
-    renders0, eager0 = (ondemand.renders, ondemand.eager_renders) if ondemand is not None else (None, None)
+    ondemand = agent.expositions
+    renders0, eager0 = ondemand.renders, ondemand.eager_renders
     threads0 = _thread_cpu()
     c0, w0 = time.process_time(), time.perf_counter()
     at_cadence(agent, seconds, interval)
@@ -147,8 +142,8 @@ def cadence(agent, url: str, seconds: float, interval: float, scrape_every: floa
         f"scrapes_{key}": len(lat),
         f"scrape_{key}_p50_ms": pct(lat, 50) * 1e3 if lat else None,
         f"scrape_{key}_max_ms": max(lat) * 1e3 if lat else None,
-        f"renders_{key}": ondemand.renders - renders0 if ondemand is not None else None,
-        f"eager_renders_{key}": ondemand.eager_renders - eager0 if ondemand is not None else None,  # of them, on the sampler
+        f"renders_{key}": ondemand.renders - renders0,
+        f"eager_renders_{key}": ondemand.eager_renders - eager0,  # of them, on the sampler
         f"cadence_{key}_threads_cpu_s": by_thread,
     }
 

@@ -87,7 +87,6 @@ class Agent:
         self.clock = clock
         self.health = outputs.health
         self.starvation = outputs.starvation
-        self.renderer = outputs.renderer
         self.expositions = OnDemand(outputs.renderer)  # each cycle's state, rendered when asked
         self.server: MetricsServer | None = None
         self.status: dict[str, CollectorStatus] = {}

@@ -316,12 +316,6 @@ class MetricsServer:
             host = f"[{host}]"
         return f"{'https' if self._tls else 'http'}://{host}:{self.port}"
 
-    @property
-    def published(self) -> bool:
-        """Whether there is a state to serve (its bytes are made by the first scrape that wants them)."""
-        src = self._source
-        return src is not None and src.published
-
     def serve_from(self, source: Expositions) -> None:
         """Serve what ``source`` publishes (the agent's OnDemand: rendered when asked)."""
         self._source = source
