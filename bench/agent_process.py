@@ -249,7 +249,7 @@ def main() -> None:
         interval=3600.0 if a.mode == "cycle" else 1.0,
         taint_mode=TaintMode.ENFORCE,
     )
-    agent = build_agent(cfg, backend=SimBackend(sc, clock), clock=clock.epoch)
+    agent = build_agent(cfg, backend=SimBackend(sc, clock), clock=clock)
     imported_mb = rss_mb()
     if a.claims_ttl is not None and agent.src.get("claims") is not None:
         agent.src.get("claims").cache.ttl = a.claims_ttl

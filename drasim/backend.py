@@ -48,6 +48,7 @@ class SimClock:
         self._start = start_offset  # the simulated instant of _epoch0
         self._offset = start_offset  # the simulated instant of _t0
         self._paused = False
+        self._wall_step = 0.0  # what step_wall moved the wall clock by, in all
         self._listeners: list[Callable[[], None]] = []
 
     def on_change(self, fn: Callable[[], None]) -> None:
@@ -103,6 +104,21 @@ class SimClock:
 
     def real_seconds(self, sim_seconds: float) -> float:
         return max(0.0, sim_seconds / self.scale)
+
+    # -- exporter.clock.Clock: simulated time is the agent's monotonic clock --------------------
+    def monotonic(self) -> float:
+        return self.now()
+
+    def wall(self) -> float:
+        """The node's wall clock: the simulated instant's epoch stamp plus every ``step_wall``."""
+        return self.epoch() + self._wall_step
+
+    def step_wall(self, seconds: float) -> None:
+        """Step the node's wall clock by ``seconds`` (NTP, an operator) while monotonic time
+        runs on: what the agent measures as a duration must not move."""
+        with self._lock:
+            self._wall_step += seconds
+        self._changed()
 
 
 @dataclass

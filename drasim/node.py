@@ -148,7 +148,7 @@ class SimulatedNode:
         else:
             cfg = dataclasses.replace(cfg, node_name=self.scenario.node, kubelet_socket=self.socket,
                                       kubeconfig=str(self.kubeconfig), **overrides)
-        self.agent = build_agent(cfg, backend=self.backend, clock=self.clock.epoch, health_policy=health_policy,
+        self.agent = build_agent(cfg, backend=self.backend, clock=self.clock, health_policy=health_policy,
                                  remediation_resync=remediation_resync)
         return self.agent
 

@@ -15,6 +15,7 @@ from typing import Protocol, TypeVar, cast
 
 import structlog
 
+from .clock import SYSTEM, Clock
 from .collect import Collector, CollectorStatus, Degraded, Gathered
 from .config import Config
 from .devices.collector import DeviceCollector
@@ -80,7 +81,7 @@ class Agent:
     EVENT_STALL = 60.0  # the device event thread's loop (a wait with a timeout) not turning this long: stuck
     FIRST_WAIT = 2.0  # seconds start() waits for sources' first data (the ResourceSlices' list)
 
-    def __init__(self, cfg: Config, sources: Sources, outputs: Outputs, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, cfg: Config, sources: Sources, outputs: Outputs, clock: Clock = SYSTEM) -> None:
         self.cfg = cfg
         self.src = sources
         self.out = outputs
@@ -195,7 +196,7 @@ class Agent:
             self.health.set_topology(identities)
             self._topology = uuids
         self.health.observe(identities, readings)
-        snap = self._join.join(found, self.clock(), identities, readings, self.health.all_health())
+        snap = self._join.join(found, self.clock.wall(), self.clock.monotonic(), identities, readings, self.health.all_health())
         self.snapshot = snap
         rem = self.out.remediation
         if rem is not None:
@@ -229,7 +230,7 @@ class Agent:
             read_errors=read_errors,
             collectors={n: (s.duration, s.success) for n, s in self.status.items() if n != "cycle"},
             sources={c.name: s for c in self.src.all if (s := c.stats()) is not None},
-            last_collection=self.clock(),
+            last_collection=self.clock.wall(),
             cycles=self.cycles,
             taint_rules=rep.rules if rep is not None else (),
             pending_eviction=rep.pending_eviction if rep is not None else (),

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from .agent import Agent, Outputs, Sources
+from .clock import SYSTEM, Clock
 from .collect import Collector
 from .config import Config, TaintMode
 from .devices.base import DeviceBackend
@@ -51,7 +52,7 @@ log = structlog.get_logger(__name__)
 def build_agent(
     cfg: Config,
     backend: DeviceBackend | None = None,
-    clock: Callable[[], float] = time.time,
+    clock: Clock = SYSTEM,
     health_policy: HealthPolicy | None = None,
     remediation_resync: float = 30.0,
 ) -> Agent:
@@ -78,13 +79,13 @@ def compose(
     *,
     kubelet: PodResources | None = None,
     api: ApiClient | None = None,
-    clock: Callable[[], float] = time.time,
+    clock: Clock = SYSTEM,
     health_policy: HealthPolicy | None = None,
     remediation_resync: float = 30.0,
 ) -> Agent:
     """The agent from its parts: ``backend`` always; the kubelet's PodResources and the API
     server when given (tests and rigs leave them out)."""
-    health = HealthEngine(clock, health_policy or HealthPolicy(clear_hold=cfg.fault_clear_seconds, stuck_after=cfg.stuck_reading_seconds))
+    health = HealthEngine(clock.wall, health_policy or HealthPolicy(clear_hold=cfg.fault_clear_seconds, stuck_after=cfg.stuck_reading_seconds))
     # The agent's own CPU starvation is told apart from stuck device calls: a lag of half a
     # deadline is starvation, and one keeps the agent "starved" long enough for a call that
     # was only slow to come back once the agent runs again.
@@ -101,7 +102,7 @@ def compose(
     after_join: list[Collector[object]] = [ProcessCollector()] if cfg.per_process else []
     remediation = None
     if api is not None and cfg.taint_mode != TaintMode.OFF:
-        remediation = build_remediator(cfg, api, health, clock, remediation_resync, discovery=discovery)
+        remediation = build_remediator(cfg, api, health, clock.wall, remediation_resync, discovery=discovery)
     outputs = Outputs(
         health=health, starvation=starvation, renderer=Renderer(), usage=UsageAccountant(),
         # opened by Agent.start (serve=True) with the agent's probes, before the sources start

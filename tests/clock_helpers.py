@@ -5,13 +5,24 @@ from __future__ import annotations
 
 
 class ManualClock:
-    """Callable like ``time.time``/``time.monotonic``; ``advance`` is the only way it moves."""
+    """Callable like ``time.time``/``time.monotonic``, and an ``exporter.clock.Clock``:
+    ``advance`` moves both of its clocks, ``step_wall`` only the wall clock (an NTP step)."""
 
     def __init__(self, t: float = 1000.0) -> None:
         self.t = t
+        self.wall_step = 0.0
 
     def __call__(self) -> float:
         return self.t
 
+    def monotonic(self) -> float:
+        return self.t
+
+    def wall(self) -> float:
+        return self.t + self.wall_step
+
     def advance(self, seconds: float) -> None:
         self.t += seconds
+
+    def step_wall(self, seconds: float) -> None:
+        self.wall_step += seconds

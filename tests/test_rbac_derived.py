@@ -221,7 +221,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
                 kubeconfig=str(kubeconfig), backend="sim", interval=0.1, call_timeout=1.0,
                 taint_mode=TaintMode.ENFORCE, taint_hold_seconds=4.0, pod_label_allowlist=POD_LABELS,
             )
-            agent = build_agent(cfg, backend=SimBackend(sc, clock), clock=clock.epoch,
+            agent = build_agent(cfg, backend=SimBackend(sc, clock), clock=clock,
                                 health_policy=HealthPolicy(clear_hold=4.0), remediation_resync=0.5)
             agent.start(serve=True)
             try:

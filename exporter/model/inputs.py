@@ -39,6 +39,7 @@ class CycleJoin:
         self,
         found: Gathered,
         timestamp: float,
+        monotonic: float,
         identities: tuple[DeviceIdentity, ...],
         readings: Mapping[str, DeviceReading],
         health: Mapping[str, DeviceHealth],
@@ -49,6 +50,7 @@ class CycleJoin:
             JoinInputs(
                 node=self.node,
                 timestamp=timestamp,
+                monotonic=monotonic,
                 identities=identities,
                 readings=readings,
                 health=health,

@@ -26,7 +26,7 @@ DeviceKey = tuple[str, str, str]
 @dataclass(frozen=True)
 class JoinInputs:
     node: str
-    timestamp: float
+    timestamp: float  # wall: the stamp that leaves the process
     identities: tuple[DeviceIdentity, ...]
     readings: Mapping[str, DeviceReading]
     health: Mapping[str, DeviceHealth]
@@ -35,6 +35,7 @@ class JoinInputs:
     claims: Mapping[tuple[str, str], ClaimInfo] | None = None
     pods: tuple[PodInfo, ...] = ()
     pod_labels: Mapping[tuple[str, str], Mapping[str, str]] | None = None
+    monotonic: float = 0.0  # the cycle's instant on the monotonic clock: what durations are measured on
 
 
 def _allocated_from_claim(claim: ClaimInfo | None, key: DeviceKey) -> AllocatedDevice | None:
@@ -119,6 +120,7 @@ def join(inp: JoinInputs, memo: JoinMemo | None = None) -> Snapshot:
     return Snapshot(
         node=inp.node,
         timestamp=inp.timestamp,
+        monotonic=inp.monotonic,
         devices=devices,
         allocations=structure.rows,
         claims=_claim_views(structure.claims, by_uuid),

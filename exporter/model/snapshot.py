@@ -92,7 +92,7 @@ class PublishedDevice(NamedTuple):
 @dataclass(frozen=True)
 class Snapshot:
     node: str
-    timestamp: float
+    timestamp: float  # wall clock: for stamps that leave the process
     devices: tuple[DeviceView, ...] = ()
     allocations: tuple[AllocationView, ...] = ()
     claims: tuple[ClaimView, ...] = ()
@@ -101,6 +101,7 @@ class Snapshot:
     pod_uids: dict[str, tuple[str, str]] = field(default_factory=dict)  # uid -> (namespace, pod)
     # this node's published DRA devices, sorted by key; None while the slices are not listed
     published: tuple[PublishedDevice, ...] | None = None
+    monotonic: float = 0.0  # the cycle's instant on the agent's monotonic clock (exporter/clock.py)
 
     def device(self, uuid: str) -> DeviceView | None:
         for d in self.devices:
