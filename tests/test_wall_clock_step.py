@@ -10,7 +10,8 @@ The rigs are the ones the remediation tests use (tests/test_remediation_domains.
 Kubernetes API emulation with the strict validator, the agent's HTTP client, SliceWatcher,
 health engine and remediator by the production wiring, defaults for the settle window, the
 node-fault window and a rate limit of 2), with their ``ManualClock`` stepped; the health rows
-drive the health engine alone. Billing rows (device-seconds, a gone claim's retention) are in
+drive the health engine alone. The last test runs the whole agent on the simulated node
+(``SimClock.step_wall``). Billing rows (device-seconds, a gone claim's retention) are in
 tests/test_usage.py.
 """
 
@@ -21,8 +22,14 @@ import dataclasses
 import pytest
 import test_remediation_domains as domains
 from clock_helpers import ManualClock
+from kit_helpers import scrape_samples, wait_until
 from test_remediation_domains import HOLD, NODE, POLICY, SETTLE, Rig, plain_gpus
 
+from drasim.backend import SimClock
+from drasim.node import SimulatedNode
+from drasim.scenario import parse_scenario
+from exporter.config import TaintMode
+from exporter.devices import model as devices
 from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, RecoveryAction, Vendor
 from exporter.health.engine import HealthEngine, HealthPolicy
 from exporter.health.model import READING_STUCK
@@ -98,10 +105,8 @@ def test_a_fault_clears_after_its_clear_time_in_real_seconds(step):
 def test_a_lost_gpu_clears_after_it_reads_clean_for_the_clear_time(step):
     """A level condition (the GPU lost, then answering after a reset): clean for ``clear_hold``
     real seconds."""
-    from exporter.devices.model import ReadError
-
     clock, h = engine(clear_hold=5.0)
-    h.observe([G], {G.uuid: DeviceReading.failed(G.uuid, ReadError.LOST)})
+    h.observe([G], {G.uuid: DeviceReading.failed(G.uuid, devices.ReadError.LOST)})
     clock.advance(1)
     cycle(h)
     clock.step_wall(step)
@@ -374,3 +379,40 @@ def test_a_forward_step_while_down_releases_no_gpu_early(make_rig):
     rig.clock.advance(1)
     rig.reconcile()
     assert rig.effects() == {}
+
+
+# ------------------------------------------------------------------------------ the whole agent
+
+STEADY = {
+    "name": "steady", "node": "steady-node",
+    "gpus": [{"name": f"gpu{i}", "utilization": 0.9, "memory_used": 0.5} for i in range(8)],
+    "claims": [{"namespace": "ml", "name": "train", "devices": ["gpu0", "gpu1"]}],
+    "pods": [{"namespace": "ml", "name": "trainer", "containers": [{"name": "main", "claims": ["train"]}]}],
+}
+
+
+def test_a_steady_node_stays_steady_through_wall_clock_steps(tmp_path):
+    """The whole agent on the simulated node (API emulation, gRPC kubelet, production wiring),
+    busy GPUs, enforce mode, a 60 s stuck-reading check. Simulated time stands still while the
+    node's date steps +1 h, +1 d and -1 h: the energy counters do not move, but for 0 real
+    seconds, so nothing is stuck, no condition opens and no rule is written; the step shows
+    where it belongs, in the date the agent stamps its collections with."""
+    clock = SimClock(1.0)
+    clock.pause()
+    with SimulatedNode(parse_scenario(STEADY, "steady"), clock, workdir=tmp_path) as node:
+        node.start()
+        agent = node.start_agent(interval=0.1, taint_mode=TaintMode.ENFORCE, stuck_reading_seconds=60.0,
+                                 remediation_resync=0.5)
+        wait_until(lambda: agent.snapshot is not None and any(a.claim == "train" for a in agent.snapshot.allocations),
+                   timeout=60, message="the join")
+        for step in (HOUR, DAY, -HOUR):
+            clock.step_wall(step)
+            seen = agent.cycles
+            wait_until(lambda: agent.cycles >= seen + 5, timeout=60, message="five cycles after the step")  # noqa: B023
+            m = scrape_samples(agent.server.url)
+            assert m.get("gpu_health_condition", []) == [], step
+            assert {v for _, v in m["gpu_healthy"]} == {1.0}
+            assert abs(m["dra_gpu_exporter_last_collection_timestamp_seconds"][0][1] - clock.wall()) < 1.0
+        assert node.api.list("resource.k8s.io", "devicetaintrules") == []
+        writes = [q for q in node.api.requests if q.method != "GET" and "devicetaintrules" in q.path]
+        assert writes == []
