@@ -24,11 +24,9 @@ escalation needs, so an XID storm costs no memory per event.
 A GPU that goes unhealthy again ``sticky_after`` times within ``sticky_window`` is *sticky*: it
 stays unhealthy until a person clears it (:meth:`HealthEngine.clear_sticky`).
 
-Every time here is the injected clock's *monotonic* time (exporter/clock.py): a step of the
-node's wall clock moves no hold, quiet period or repeat window. A condition's ``since`` and
-``last_seen`` are monotonic instants too; what leaves the process as a date (a rule's
-first-seen annotation) is converted where it is written. The demo runs the clock faster than
-real time, and tests move it by hand, so no test sleeps.
+Every time here, a condition's ``since`` and ``last_seen`` included, is the injected clock's
+monotonic time (exporter/clock.py): a wall-clock step moves no hold or window. The demo runs
+that clock faster than real time, and tests move it by hand, so no test sleeps.
 
 Logs: an event that opens a condition or changes its tier is logged; repeats of a known
 condition are counted and logged as one summary line per device at most every

@@ -14,10 +14,9 @@
 * An admin's deletion of a rule (:class:`AdminMemory`) is remembered in the per-node state
   ConfigMap: a restarted agent does not undo it without new evidence.
 
-Time: the stamps read back (a rule's first-seen, a deletion's date) are wall dates; each is
-turned into a monotonic instant once, as it is read (``from_wall``), so a wall-clock step after
-that moves nothing. A step while the agent was down cannot be told from elapsed time; a stamp it
-would put after this process's start is taken as "at the start" (see README "Time").
+Time: a date read back (a rule's first-seen, a deletion's) becomes a monotonic instant once, as
+it is read (``from_wall``), never later than it can be (now; a deletion: this process's start),
+whatever a step of the wall clock while the agent was down did (README "Time").
 """
 
 from __future__ import annotations
