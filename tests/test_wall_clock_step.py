@@ -11,8 +11,8 @@ Kubernetes API emulation with the strict validator, the agent's HTTP client, Sli
 health engine and remediator by the production wiring, defaults for the settle window, the
 node-fault window and a rate limit of 2), with their ``ManualClock`` stepped; the health rows
 drive the health engine alone. The last test runs the whole agent on the simulated node
-(``SimClock.step_wall``). Billing rows (device-seconds, a gone claim's retention) are in
-tests/test_usage.py.
+(``SimClock.step_wall``). The billing rows (device-seconds, a gone claim's retention) are the
+billing model's tests.
 """
 
 from __future__ import annotations

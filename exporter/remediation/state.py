@@ -16,7 +16,7 @@
 
 Time: a date read back (a rule's first-seen, a deletion's) becomes a monotonic instant once, as
 it is read (``from_wall``), never later than it can be (now; a deletion: this process's start),
-whatever a step of the wall clock while the agent was down did (README "Time").
+whatever a step of the wall clock while the agent was down did (docs/health-and-remediation.md, "Time").
 """
 
 from __future__ import annotations
