@@ -85,10 +85,6 @@ class EventRecorder:
         return out
 
 
-def node_ref(node: str) -> dict[str, str]:
-    return {"apiVersion": "v1", "kind": "Node", "name": node}
-
-
 def pod_ref(namespace: str, name: str, uid: str = "") -> dict[str, str]:
     """An Event's ``regarding`` for a pod (its uid when known: kubectl describe matches on it)."""
     ref = {"apiVersion": "v1", "kind": "Pod", "namespace": namespace, "name": name}
