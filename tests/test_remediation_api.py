@@ -96,7 +96,6 @@ class Rig:
         self.watcher.start()
         assert self.watcher.wait_synced(10), "slices never listed"
         self.clock = ManualClock(T0)
-        cfg.setdefault("taint_budget_fraction", 1.0)
         # Settle window and node-fault window 0 here: these tests are about what each decision
         # writes, so a fatal fault's rule gets NoExecute in the pass that sees it (as before
         # issue 16). The fence-then-evict tests (test_remediation_domains.py) use the defaults.
