@@ -31,6 +31,7 @@ from exporter.config import Config, TaintMode
 from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction, Vendor
 from exporter.health.engine import HealthEngine, HealthPolicy
 from exporter.k8s.connection import ApiError, connect
+from exporter.k8s.discovery import Discovery
 from exporter.k8s.slices import SliceWatcher
 from exporter.k8s.taintrules import TaintRuleClient
 from exporter.metrics.render import Renderer, RenderState
@@ -92,7 +93,8 @@ class Rig:
         self.slice_version = "v1beta2" if version == "1.33" else "v1"
         server.apply(slice_object(NODE, self.ids, self.slice_version))
         self.api = connect(str(write_kubeconfig(tmp / "kubeconfig", server.url)))
-        self.watcher = SliceWatcher(self.api, NODE, backoff_initial=0.02, backoff_max=0.2)
+        self.discovery = Discovery(self.api)
+        self.watcher = SliceWatcher(self.api, NODE, discovery=self.discovery, backoff_initial=0.02, backoff_max=0.2)
         self.watcher.start()
         assert self.watcher.wait_synced(10), "slices never listed"
         self.clock = ManualClock(T0)
@@ -111,7 +113,8 @@ class Rig:
         watches: "listed once, before the rule appears" is how a 409 is met), a local budget."""
         h = health or self.health
         h.set_topology(self.local)
-        rem = build_remediator(self.cfg, self.api, h, self.clock, self.resync, watch=False, rules=TaintRuleClient(self.api),
+        rules = TaintRuleClient(self.api, self.discovery)
+        rem = build_remediator(self.cfg, self.api, h, self.clock, self.resync, watch=False, rules=rules,
                                budget=LocalBudget(self.cfg.taint_budget_max), boot=BOOT, node_state=False)
         rem.update(self.snapshot())
         return rem

@@ -21,6 +21,7 @@ from exporter.config import Config, TaintMode
 from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction, Vendor
 from exporter.health.engine import HealthEngine, HealthPolicy
 from exporter.k8s.connection import connect
+from exporter.k8s.discovery import Discovery
 from exporter.k8s.slices import SliceWatcher
 from exporter.model.join import JoinInputs, join
 from exporter.remediation import names
@@ -72,7 +73,8 @@ class Rig:
         for s in slices:
             server.apply(s)
         self.api = connect(str(write_kubeconfig(tmp / "kubeconfig", server.url)))
-        self.watcher = SliceWatcher(self.api, NODE, backoff_initial=0.02, backoff_max=0.2)
+        discovery = Discovery(self.api)
+        self.watcher = SliceWatcher(self.api, NODE, discovery=discovery, backoff_initial=0.02, backoff_max=0.2)
         self.watcher.start()
         assert self.watcher.wait_synced(10)
         want = sum(len(s["spec"].get("devices", [])) for s in slices)
