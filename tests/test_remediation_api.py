@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from clock_helpers import ManualClock
 from k8s_helpers import api_client, call_json, running_apiserver, wait_until, write_kubeconfig
+from kit_helpers import gpu
 from prometheus_client.parser import text_string_to_metric_families
 from validation import StrictValidator, has_schema, validate_strict
 
@@ -52,13 +53,6 @@ RULES = "/devicetaintrules"
 SERVED = {"1.33": "v1alpha3", "1.34": "v1alpha3", "1.35": "v1alpha3", "1.36": "v1beta2", "1.37": "v1"}
 BOOT = BootIdentity("boot-1", T0 - 86400)  # the node's boot: the same for every agent process of a rig
 REFUSED_RETRY = 300.0  # RemediationPolicy.refused_retry's default
-
-
-def gpu(i: int, serial: int = 0) -> DeviceIdentity:
-    return DeviceIdentity(
-        uuid=f"GPU-{serial:04d}{i:04d}-aaaa-bbbb-cccc-dddddddddddd", vendor=Vendor.NVIDIA, model="NVIDIA H100 80GB HBM3",
-        pci_bus_id=f"0000:{0x18 + 0x10 * i:02x}:00.0", index=i, minor=i,
-    )
 
 
 def slice_object(node: str, ids, version: str = "v1", name: str | None = None) -> dict:

@@ -364,8 +364,6 @@ def test_an_admins_deletion_is_remembered_across_restarts(make_rig):
 def test_a_fatal_rule_is_kept_after_a_restart_until_a_reset_is_observed(make_rig):
     """Regression (issue 16, 4): a restarted agent reported the GPU healthy at once and stepped
     the rule down after the hold, although no reset happened."""
-    if not hasattr(HealthEngine, "restore"):
-        pytest.skip("needs team health's HealthEngine.restore")
     slices, ids = plain_gpus(8)
     rig = make_rig(slices, ids)
     rig.xid(ids[0].uuid, 48)
@@ -396,8 +394,6 @@ def test_an_instance_scoped_fault_touches_only_that_instance(make_rig):
     GPU/compute instance, the instance's own ECC) covers that instance's device only: no
     sibling's rule, no parent's. (The condition is put in through HealthEngine.restore, the
     agreed way to create one on a given device.)"""
-    if not hasattr(HealthEngine, "restore"):
-        pytest.skip("needs team health's HealthEngine.restore")
     from exporter.health.model import Tier
 
     rig, migs = static_mig_rig(make_rig)
