@@ -18,15 +18,18 @@ is called directly, so no test sleeps. Only the remediator-thread test waits (bo
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 from clock_helpers import ManualClock
 from k8s_helpers import api_client, call_json, running_apiserver, wait_until, write_kubeconfig
-from kit_helpers import gpu
-from prometheus_client.parser import text_string_to_metric_families
+from kit_helpers import Samples, gpu, parse_samples
 from validation import StrictValidator, has_schema, validate_strict
 
+from drasim.backend import SimBackend
+from drasim.scenario import parse_scenario
+from exporter.agent import Agent
 from exporter.catalog import BY_NAME
 from exporter.config import Config, TaintMode
 from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction, Vendor
@@ -35,14 +38,13 @@ from exporter.k8s.connection import ApiError, connect
 from exporter.k8s.discovery import Discovery
 from exporter.k8s.slices import SliceWatcher
 from exporter.k8s.taintrules import TaintRuleClient
-from exporter.metrics.render import Renderer, RenderState
 from exporter.model.join import JoinInputs, join
 from exporter.remediation import names
 from exporter.remediation.boot import BootIdentity
 from exporter.remediation.budget import LocalBudget
 from exporter.remediation.engine import Remediator
 from exporter.remediation.plan import RECORD_REFRESH
-from exporter.wiring import build_remediator
+from exporter.wiring import build_remediator, compose
 
 NODE = "node-a"
 DRIVER = "gpu.nvidia.com"
@@ -215,18 +217,25 @@ def make_rig(tmp_path):
         cm.__exit__(None, None, None)
 
 
-def metric_samples(rig: Rig) -> dict[str, list]:
-    rep = rig.rem.report()
-    snap = join(JoinInputs(node=NODE, timestamp=rig.clock(), identities=tuple(rig.local), readings={}, health=rig.health.all_health()))
-    body = Renderer().render(
-        RenderState(snapshot=snap, taint_rules=rep.rules, taint_actions=dict(rep.actions), taint_suppressed=dict(rep.suppressed),
-                    budget_exhausted=rep.budget_exhausted, detection_latency=rep.latency, remediation=(rep.mode, rep.active))
-    ).body.decode()
-    out: dict[str, list] = {}
-    for fam in text_string_to_metric_families(body):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
+# The agent the rig's metrics go through: its device source is a simulated GPU it never reads.
+IDLE_DEVICES = parse_scenario({"node": NODE, "gpus": [{"name": "idle"}]}, "rig")
+
+
+def metric_samples(rig: Rig) -> Samples:
+    """What the agent serves for the rig's node: an agent holding the rig's health engine and
+    remediator publishes the rig's snapshot with ``Agent.publish`` (the cycle's own mapping of
+    the remediator's report to metrics, so every report field is rendered as in production)."""
+    parts = compose(rig.cfg, SimBackend(IDLE_DEVICES))
+    agent = Agent(rig.cfg, parts.src, dataclasses.replace(parts.out, health=rig.health, remediation=rig.rem), clock=rig.clock)
+    agent.snapshot = join(JoinInputs(node=NODE, timestamp=rig.clock(), identities=tuple(rig.local), readings={},
+                                     health=rig.health.all_health()))
+    agent.publish()
+    try:
+        exposition = agent.expositions.current(timeout=60)
+        assert exposition is not None
+        return parse_samples(exposition.body.decode())
+    finally:
+        agent.expositions.close()  # not agent.stop(): the rig goes on with its remediator
 
 
 # ------------------------------------------------------------------------------ versions and schemas
