@@ -132,7 +132,10 @@ class Choice(Generic[T]):
         return self.then(v)
 
 
-_BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False, "": False}
+_BOOL = {
+    "1": True, "true": True, "yes": True, "on": True,
+    "0": False, "false": False, "no": False, "off": False, "": False,
+}
 
 
 def parse_bool(value: str, flag: str) -> bool:
@@ -144,14 +147,20 @@ def parse_bool(value: str, flag: str) -> bool:
 
 def _agent_backend(v: str) -> str:
     if v == "sim":
-        raise ConfigError("--backend sim: the simulated backend runs only under `dra-gpu-exporter demo`; the agent takes auto, nvml or amdsmi")
+        raise ConfigError(
+            "--backend sim: the simulated backend runs only under `dra-gpu-exporter demo`; "
+            "the agent takes auto, nvml or amdsmi"
+        )
     return v
 
 
 def _demo_backend(v: str) -> str:
     if v not in ("sim", "auto"):
         # The demo's GPUs are simulated; a real backend would be quietly ignored.
-        raise ConfigError(f"--backend {v!r}: the demo simulates its GPUs (backend sim); to read this node's GPUs run the agent: dra-gpu-exporter --backend {v}")
+        raise ConfigError(
+            f"--backend {v!r}: the demo simulates its GPUs (backend sim); to read this node's GPUs run the agent: "
+            f"dra-gpu-exporter --backend {v}"
+        )
     return "sim"
 
 
