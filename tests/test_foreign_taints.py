@@ -143,7 +143,7 @@ def test_the_record_of_owned_rules_never_adopts_a_rule_without_the_agents_label(
     """Belt and braces behind the label-selected feeds: a foreign rule handed to the record (a
     feed misconfigured, a selector dropped) is not adopted; the agent's own is."""
     from exporter.k8s.taintrules import StoredRule
-    from exporter.remediation.rules import OwnedRules
+    from exporter.remediation.record import OwnedRules
 
     record = OwnedRules()
     theirs = StoredRule(name=f"maintenance-{NODE}-gpu-1", uid="u1", driver=AMD, pool=NODE, device="gpu-1-spx-nps1", effect="NoExecute", ours=False)

@@ -30,7 +30,8 @@ from exporter.devices.model import DeviceIdentity, DeviceReading, ReadError, Ven
 from exporter.devices.nvml import NvmlBackend
 from exporter.health.engine import HealthEngine, HealthPolicy
 from exporter.health.model import READING_STUCK, Tier
-from exporter.remediation.plan import Action, Safety, Target, decide
+from exporter.remediation.contract import Action, Target
+from exporter.remediation.plan import Safety, decide
 from exporter.wiring import build_agent
 
 T0 = 1_750_000_000.0

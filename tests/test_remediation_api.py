@@ -34,16 +34,16 @@ from exporter.catalog import BY_NAME
 from exporter.config import Config, TaintMode
 from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction, Vendor
 from exporter.health.engine import HealthEngine, HealthPolicy
+from exporter.k8s import names
 from exporter.k8s.connection import ApiError, connect
 from exporter.k8s.discovery import Discovery
 from exporter.k8s.slices import SliceWatcher
 from exporter.k8s.taintrules import TaintRuleClient
 from exporter.model.join import JoinInputs, join
-from exporter.remediation import names
-from exporter.remediation.boot import BootIdentity
-from exporter.remediation.budget import LocalBudget
+from exporter.remediation.adoption import BootIdentity
 from exporter.remediation.engine import Remediator
 from exporter.remediation.plan import RECORD_REFRESH
+from exporter.remediation.rails import LocalBudget
 from exporter.wiring import build_remediator, compose
 
 NODE = "node-a"
@@ -1062,7 +1062,7 @@ def test_the_report_is_a_frozen_copy_of_one_moment(make_rig):
     latency histogram included: a copy, not the one the remediation thread keeps writing)."""
     import dataclasses
 
-    from exporter.remediation.report import HistogramSnapshot
+    from exporter.remediation.contract import HistogramSnapshot
 
     rig = make_rig("1.37")
     rig.xid(0, 79)

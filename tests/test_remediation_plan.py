@@ -14,9 +14,11 @@ from hypothesis import strategies as st
 from exporter.catalog import BY_NAME
 from exporter.config import TaintMode
 from exporter.health.model import Condition, DeviceHealth, Tier
+from exporter.k8s import names
 from exporter.reasons import Suppression
-from exporter.remediation import names
-from exporter.remediation.plan import ADMIN_DELETED, EFFECT_RANK, RECORD_REFRESH, OwnedRule, Safety, Target, decide, wanted
+from exporter.remediation.contract import Target
+from exporter.remediation.plan import ADMIN_DELETED, EFFECT_RANK, RECORD_REFRESH, Safety, decide, wanted
+from exporter.remediation.record import OwnedRule
 
 NOW = 1_750_000_000.0
 HOLD = 600.0
@@ -102,7 +104,7 @@ def test_the_suppression_counter_is_only_counted_with_a_suppression():
                     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "announce":
                         what = node.args[1]
                         assert not isinstance(what, ast.Constant), f"{src.name} {fn.name}: announce with a bare string {what.value!r}"
-    assert writers == {("notices.py", "announce")}
+    assert writers == {("writer.py", "announce")}
 
 
 # ------------------------------------------------------------------------------ effect by tier and mode
@@ -396,7 +398,8 @@ def test_a_failing_device_never_loses_its_rule_to_a_step_down(ts, effect, safety
 
 # ------------------------------------------------------------------ fault-domain rails (issue 16)
 
-from exporter.remediation.plan import Action, Effect, node_wide, settle_due, settling  # noqa: E402
+from exporter.remediation.contract import Action, Effect  # noqa: E402
+from exporter.remediation.rails import node_wide, settle_due, settling  # noqa: E402
 
 
 def test_node_wide_is_a_majority_within_the_window():

@@ -7,9 +7,8 @@ import pytest
 
 from exporter.config import TaintMode
 from exporter.k8s.connection import ApiError
-from exporter.remediation.budget import LocalBudget
-from exporter.remediation.policy import RemediationPolicy
-from exporter.remediation.rails import SafetyRails, Verdict
+from exporter.remediation.contract import RemediationPolicy
+from exporter.remediation.rails import LocalBudget, SafetyRails, Verdict
 
 NOW = 1000.0
 

@@ -33,9 +33,9 @@ from exporter.devices import model as devices
 from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, RecoveryAction, Vendor
 from exporter.health.engine import HealthEngine, HealthPolicy
 from exporter.health.model import READING_STUCK
+from exporter.k8s import names
 from exporter.model.snapshot import AllocationView
-from exporter.remediation import names
-from exporter.remediation.boot import BootIdentity
+from exporter.remediation.adoption import BootIdentity
 from exporter.remediation.evictions import EVENT_REASON, GRACE
 
 make_rig = domains.make_rig  # the remediation rig's fixture

@@ -15,12 +15,10 @@ from dataclasses import dataclass
 
 from ..devices.model import DeviceIdentity, DeviceReading
 from ..health.model import DeviceHealth, Scope
-from ..k8s.model import AllocatedDevice, ClaimInfo, PodInfo, SliceDevice
+from ..k8s.model import AllocatedDevice, ClaimInfo, DeviceKey, PodInfo, SliceDevice
 from ..k8s.resolve import AMD_DRIVER, NVIDIA_DRIVER, DeviceIndex, Resolution, resolve, resolve_device_plugin
 from ..kubelet.model import AllocationSource, ContainerAllocation
 from .snapshot import AllocationView, ClaimView, DeviceView, PublishedDevice, Snapshot
-
-DeviceKey = tuple[str, str, str]
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,16 @@
 """The remediator: keeps this node's DeviceTaintRules in line with device health, per fault domain.
 
-A thin loop over small parts, each with one job and one owner of its state:
-
-* :mod:`.adoption` brings the record of owned rules (:mod:`.rules`) in line with the cluster,
-  restores what adopted rules stand for (:mod:`.state`, proven resets too), reads the kill switch;
-* :mod:`.reconcile` decides every published device's rule per fault domain (:mod:`.domains`,
-  :mod:`.plan`) under the rails' verdict (:mod:`.rails`: settle window, node-wide test, rate
-  window, cluster budget) and has :mod:`.writer` write them and tell them in Events;
-* :mod:`.notices` counts and tells what was held back, and holds refused writes;
-* :mod:`.evictions` counts the pods still on each NoExecute device and tells of those that stay.
+A thin loop over parts that each own their state: :mod:`.adoption` brings the record of owned rules
+(:mod:`.record`) in line with the cluster after a restart and reads the kill switch; :mod:`.reconcile`
+decides every published device's rule (:mod:`.plan`) under the rails' verdict (:mod:`.rails`: settle
+window, node-wide test, rate window, cluster budget) and has :mod:`.writer` write and tell them;
+:mod:`.evictions` counts the pods still on each NoExecute device. The types they share, the seams
+and the report are in :mod:`.contract`.
 
 It runs on its own thread so API latency never stalls metric collection, and is woken at once by the
 health engine, the rule and node watches and the budget. Targets come from the snapshot the sampler
-hands it (``update``); it reads no source itself. A new fatal fault is fenced at once (NoSchedule) and
-raised to NoExecute once its settle window has passed, unless the node-wide test tripped within it.
-Lowering is never gated. Each pass ends in one frozen :class:`~.report.RemediationReport`: all the agent reads.
+hands it (``update``); it reads no source itself. Each pass ends in one frozen
+:class:`~.contract.RemediationReport`: all the agent reads.
 """
 
 from __future__ import annotations
@@ -26,28 +22,32 @@ import structlog
 
 from ..backoff import Backoff
 from ..clock import SYSTEM, Clock
-from ..config import TaintMode
 from ..k8s.connection import ApiError
 from ..k8s.taintrules import TaintRulesUnavailable
 from ..model.snapshot import PublishedDevice, Snapshot
-from ..reasons import Suppression
-from . import domains
-from .adoption import RuleSync
-from .boot import BootIdentity
-from .budget import Budget
+from ..reasons import Suppression, TaintMode
+from .adoption import AdminMemory, BootIdentity, RuleSync
+from .contract import (
+    Budget,
+    DeletionStore,
+    Effect,
+    EventSink,
+    HealthSource,
+    KillSwitch,
+    PodLookup,
+    RemediationPolicy,
+    RemediationReport,
+    RuleApi,
+    RuleFeed,
+    Target,
+)
 from .evictions import EvictionWatch
-from .notices import NO_API_KEY, Notices, Refusals
-from .plan import Effect, Target
-from .policy import RemediationPolicy
-from .ports import DeletionStore, EventSink, HealthSource, KillSwitch, PodLookup, RuleApi, RuleFeed
 from .rails import SafetyRails
-from .reconcile import Reconciler
-from .report import Histogram, RemediationReport
-from .rules import OwnedRules, unit_of
-from .state import AdminMemory
-from .writer import RuleWriter
+from .reconcile import Reconciler, targets
+from .record import OwnedRules, unit_of
+from .writer import NO_API_KEY, Notices, Refusals, RuleWriter
 
-__all__ = ["QUIET_PASS", "Histogram", "Remediator"]
+__all__ = ["QUIET_PASS", "Remediator"]
 
 log = structlog.get_logger(__name__)
 
@@ -190,7 +190,7 @@ class Remediator:
             supports_none = True if p.dry_run else self.rules.served().supports_none
             if not p.dry_run:  # (dry-run asks the API nothing)
                 self.api_served = True
-                for r in self.sync.run(self.writer):
+                for r in self.writer.adopted(self.sync.run()):
                     if r.effect == Effect.NO_EXECUTE.value:
                         self.rails.raised.add(unit_of(r))
         except TaintRulesUnavailable as e:
@@ -210,7 +210,7 @@ class Remediator:
         now, health = self.clock.monotonic(), self.health.all_health()
         keys = frozenset(d.key for d in published) if published is not None else None
         if self._targets[0] is not published:  # (the join keeps the same tuple while slices stand still)
-            self._targets = (published, domains.targets(published or ()))
+            self._targets = (published, targets(published or ()))
         self.reconciler.run(self._targets[1], gpus, keys, health, now, supports_none, self.sync.kill_switch)
         self.evictions.run(self.record.values(), snap.allocations if snap is not None else (), now)
         self._quiet = not (

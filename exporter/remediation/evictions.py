@@ -34,15 +34,14 @@ from dataclasses import dataclass, field
 import structlog
 
 from ..clock import SYSTEM, Clock, from_wall
+from ..k8s import names
 from ..k8s.connection import ApiError
 from ..k8s.events import micro_time, pod_ref
-from ..k8s.model import ClaimInfo, PodInfo
+from ..k8s.model import ClaimInfo, DeviceKey, PodInfo
 from ..k8s.parse import ParseError
 from ..model.snapshot import AllocationView
-from . import names
-from .plan import Effect, OwnedRule
-from .ports import EventSink, Key, PodLookup
-from .report import PendingEvictionView
+from .contract import Effect, EventSink, PendingEvictionView, PodLookup
+from .record import OwnedRule
 
 log = structlog.get_logger(__name__)
 
@@ -81,7 +80,7 @@ class EvictionWatch:
     def __init__(self, lookup: PodLookup | None, events: EventSink, rule_ref: Callable[[str], Mapping[str, str]],
                  grace: float = GRACE, clock: Clock = SYSTEM) -> None:
         self.lookup, self.events, self.rule_ref, self.grace, self.clock = lookup, events, rule_ref, grace, clock
-        self._episodes: dict[Key, _Episode] = {}
+        self._episodes: dict[DeviceKey, _Episode] = {}
         self.pending: tuple[PendingEvictionView, ...] = ()
         self.told: dict[str, int] = {}  # Events sent, by Overdue value (tests, debugging)
 
@@ -92,7 +91,7 @@ class EvictionWatch:
         if not noexec:
             self.pending = ()
             return
-        holding: dict[Key, dict[tuple[str, str], str]] = {}
+        holding: dict[DeviceKey, dict[tuple[str, str], str]] = {}
         for a in allocations:
             key = (a.driver, a.pool, a.device)
             if a.source == "dra" and key in noexec:

@@ -28,91 +28,19 @@ the device recovers do not rename a rule that is about to step down anyway.
 
 from __future__ import annotations
 
-import enum
-import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..config import TaintMode
 from ..health.model import DeviceHealth, Tier
-from ..reasons import Suppression
-
-
-class Effect(str, enum.Enum):
-    """A DeviceTaintRule's taint effect (the API's own spelling)."""
-
-    NONE = "None"
-    NO_SCHEDULE = "NoSchedule"
-    NO_EXECUTE = "NoExecute"
-
-
-class Action(str, enum.Enum):
-    """What the writer does with one device's rule (also the taint_actions_total label)."""
-
-    NOTHING = "nothing"
-    CREATE = "create"
-    UPDATE = "update"
-    REFRESH = "refresh"
-    DELETE = "delete"
-    KEEP = "keep"
-
+from ..reasons import Suppression, TaintMode
+from .contract import Action, Effect, Target
+from .record import EVIDENCE_MAX, OwnedRule
 
 EFFECT_RANK = {Effect.NONE.value: 0, Effect.NO_SCHEDULE.value: 1, Effect.NO_EXECUTE.value: 2}
 TIER_EFFECT = {Tier.FATAL: Effect.NO_EXECUTE.value, Tier.DEGRADED: Effect.NO_SCHEDULE.value, Tier.INFORMATIONAL: Effect.NONE.value}
-EVIDENCE_MAX = 1024  # characters of evidence kept in the rule's annotation
 RECORD_REFRESH = 60.0  # seconds between two rewrites of a rule's reason and evidence
 # A decision-only note, never counted or announced: an admin deleted the rule and no new
 # evidence has come since, so not recreating it is what they asked for.
 ADMIN_DELETED = "admin_deleted"
-
-
-@dataclass(frozen=True)
-class Target:
-    """A DRA device published by this node's ResourceSlices, resolved to a local device."""
-
-    driver: str
-    pool: str
-    device: str
-    uuid: str  # the local device (a MIG instance's own uuid for MIG devices)
-    gpu: str = ""  # the physical GPU (fault domain) it lives on; "" = uuid
-
-    @property
-    def domain(self) -> str:
-        return self.gpu or self.uuid
-
-    @property
-    def key(self) -> tuple[str, str, str]:
-        return (self.driver, self.pool, self.device)
-
-
-@dataclass
-class OwnedRule:
-    name: str
-    driver: str
-    pool: str
-    device: str
-    uuid: str
-    effect: str
-    tier: str
-    reason: str = ""
-    evidence: str = ""  # as written in the rule's annotation (at most EVIDENCE_MAX characters)
-    sticky: bool = False  # carries the sticky label: only a person clears it
-    uid: str = ""
-    managed: bool = True
-    calm_since: float | None = None  # since when the device has wanted less than this rule
-    gone_since: float | None = None  # since when this node no longer publishes the device
-    created_at: float | None = None
-    virtual: bool = False  # dry-run: what would exist; never written, never exported as a rule
-    refreshed_at: float | None = None  # when this agent last wrote reason and evidence
-    gpu: str = ""  # the fault domain (physical GPU) the rule was written for
-    scope: str = "gpu"  # "gpu": a GPU-wide fault; "instance": one MIG instance's own fault
-    first_seen: float | None = None  # first evidence, as annotated
-    reset_required: bool | None = None  # a fatal fault: only an observed GPU reset clears it; None: not annotated
-    boot_id: str = ""  # the node boot the rule's fault was recorded under (annotation); "" when not annotated
-
-    @property
-    def key(self) -> tuple[str, str, str]:
-        return (self.driver, self.pool, self.device)
 
 
 @dataclass(frozen=True)
@@ -268,44 +196,3 @@ def decide(
     # A device with nothing left to show keeps the record of why it was tainted.
     reason, evidence = (reason, evidence) if reason else (rule.reason, rule.evidence)
     return Decision(Action.UPDATE, effect=step, tier=tier.value if (tier is not None and step == limited) else rule.tier, reason=reason, evidence=evidence, calm_since=None)
-
-
-# --------------------------------------------------------------------------- fault-domain rails
-# Pure functions over plain data: which fault domains' failures form a node-wide fault, and
-# whether a domain's NoExecute may be written now. The engine counts every rail in domains.
-
-
-def node_wide(fatal_since: Mapping[str, float], gpus: int, fraction: float, window: float) -> set[str]:
-    """The GPUs whose fatal fault is part of a node-wide one.
-
-    A GPU's fault is node-wide when, counting the GPUs whose GPU-wide fatal fault began within
-    ``window`` seconds of its own (itself included), more than ``fraction`` of the node's
-    ``gpus`` physical GPUs failed: "a majority within the window" at the default 0.5. A
-    failure minutes after another is judged on its own, so on a 4-GPU node a second GPU
-    failing a minute after the first is not a node fault.
-    """
-    if gpus < 2:
-        return set()
-    need = max(2, math.floor(fraction * gpus) + 1)  # strictly more than the fraction
-    out = set()
-    times = sorted(fatal_since.values())
-    for gpu, since in fatal_since.items():
-        near = sum(1 for t in times if abs(t - since) <= window)
-        if near >= need:
-            out.add(gpu)
-    return out
-
-
-def settling(fatal_since: float | None, now: float, settle: float, window: float) -> bool:
-    """Whether a domain's new fatal fault is still inside its settle window.
-
-    It waits for the longer of the settle time and the node-fault window, so a raise to
-    NoExecute is never taken before the node-wide test for it is final."""
-    if fatal_since is None:
-        return False
-    return now - fatal_since < max(settle, window)
-
-
-def settle_due(fatal_since: float, settle: float, window: float) -> float:
-    """When a settling domain's raise is due (for the loop's next wake-up)."""
-    return fatal_since + max(settle, window)

@@ -11,22 +11,22 @@ with a fatal fault of its own. Every rail counts units, never DRA devices:
 * the cluster budget: a slot is taken when a unit is raised and returned when it no longer
   holds or wants NoExecute; a refused unit waits (the budget says when to ask again).
 
-Lowering is never gated. Apart from the :class:`~.budget.Budget` it is handed, nothing here does
-I/O: tests drive it with plain numbers and a :class:`~.budget.LocalBudget`.
+Lowering is never gated. Apart from the :class:`~.contract.Budget` it is handed, nothing here does
+I/O: tests drive it with plain numbers and a :class:`LocalBudget`.
 """
 
 from __future__ import annotations
 
 import enum
+import math
+import threading
 from collections import deque
 from collections.abc import Iterable, Mapping
 
 import structlog
 
 from ..k8s.connection import ApiError
-from .budget import Budget
-from .plan import node_wide, settle_due, settling
-from .policy import RemediationPolicy
+from .contract import Budget, Listener, RemediationPolicy
 
 log = structlog.get_logger(__name__)
 
@@ -114,3 +114,83 @@ class SafetyRails:
             except ApiError as e:
                 self.raised.add(unit)
                 log.warning("budget_release_failed", unit=unit, error=str(e))
+
+
+# --------------------------------------------------------------------------- the arithmetic, over plain data
+
+
+def node_wide(fatal_since: Mapping[str, float], gpus: int, fraction: float, window: float) -> set[str]:
+    """The GPUs whose fatal fault is part of a node-wide one.
+
+    A GPU's fault is node-wide when, counting the GPUs whose GPU-wide fatal fault began within
+    ``window`` seconds of its own (itself included), more than ``fraction`` of the node's
+    ``gpus`` physical GPUs failed: "a majority within the window" at the default 0.5. A
+    failure minutes after another is judged on its own, so on a 4-GPU node a second GPU
+    failing a minute after the first is not a node fault.
+    """
+    if gpus < 2:
+        return set()
+    need = max(2, math.floor(fraction * gpus) + 1)  # strictly more than the fraction
+    out = set()
+    times = sorted(fatal_since.values())
+    for gpu, since in fatal_since.items():
+        near = sum(1 for t in times if abs(t - since) <= window)
+        if near >= need:
+            out.add(gpu)
+    return out
+
+
+def settling(fatal_since: float | None, now: float, settle: float, window: float) -> bool:
+    """Whether a domain's new fatal fault is still inside its settle window.
+
+    It waits for the longer of the settle time and the node-fault window, so a raise to
+    NoExecute is never taken before the node-wide test for it is final."""
+    if fatal_since is None:
+        return False
+    return now - fatal_since < max(settle, window)
+
+
+def settle_due(fatal_since: float, settle: float, window: float) -> float:
+    """When a settling domain's raise is due (for the loop's next wake-up)."""
+    return fatal_since + max(settle, window)
+
+
+class LocalBudget:
+    """The :class:`~.contract.Budget` inside one process: for dry-run (which writes nothing) and for an
+    agent without a namespace to keep the cluster's ConfigMap in."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._held: set[str] = set()
+        self._lock = threading.Lock()
+        self._listeners: list[Listener] = []
+
+    def take(self, holder: str) -> bool:
+        with self._lock:
+            if holder in self._held:
+                return True
+            if len(self._held) >= self.capacity:
+                return False
+            self._held.add(holder)
+            return True
+
+    def release(self, holder: str) -> None:
+        with self._lock:
+            freed = holder in self._held
+            self._held.discard(holder)
+        if freed:
+            for fn in list(self._listeners):
+                fn()
+
+    def cancel(self, holder: str) -> None:
+        """(Nothing is kept for a refused holder.)"""
+
+    def held(self, prefix: str | None = None) -> set[str]:
+        with self._lock:
+            return {h for h in self._held if prefix is None or h.startswith(prefix)}
+
+    def subscribe(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def close(self) -> None:
+        """(Nothing to close.)"""

@@ -2,33 +2,75 @@
 under the rails' verdict for its unit, and applied by the writer; rules for devices no longer
 published retired; the budget settled; GPUs no DRA device maps to told about.
 
+Fault domains: which DRA devices one physical fault takes down. Faults happen to physical GPUs;
+DRA devices are what a DeviceTaintRule selects. One GPU is published as many DRA devices, and all
+of them go down with it:
+
+* NVIDIA full GPU ``gpu-<minor>`` (``uuid`` attribute ``GPU-...``);
+* NVIDIA static MIG devices ``gpu-<minor>-mig-<profile>-<gi>-<start>``: attribute ``uuid``
+  (``MIG-...``) and ``parentUUID`` (the GPU);
+* NVIDIA DynamicMIG partitions, one per profile and placement (about 26 per H100), published
+  next to ``gpu-<minor>`` and drawing on its counter set through ``consumesCounters``: no
+  ``uuid`` (the MIG instance exists only once prepared), ``parentUUID`` names the GPU;
+* AMD partitions (``type`` ``amdgpu-partition``): the parent GPU through ``parentPciAddr`` /
+  ``parentDeviceID`` (before v1.0) or the shared ``resource.kubernetes.io/pciBusID``, told apart
+  by card and render index.
+
+Sources: NVIDIA/k8s-dra-driver-gpu ``cmd/gpu-kubelet-plugin/deviceinfo.go``, ``mig.go`` and
+``partitions.go``; ROCm/k8s-gpu-dra-driver's driver-attributes document and
+``cmd/gpu-kubeletplugin/deviceinfo.go``. The join (:func:`exporter.model.join.join`) resolves
+each published device to the local device (its ``uuid``) and the GPU it lives on, and the
+snapshot carries them (``Snapshot.published``); here they are only grouped (:func:`group`).
+
 A fault domain's devices are one decision and one Event; a unit (the domain, or a MIG instance
 with a fatal fault of its own) is checked against the rails once, however many devices it has.
-Everything held back is counted once per episode (:class:`.notices.Notices`); a write the server
-refuses is held (:class:`.notices.Refusals`) and the pass goes on with the other devices.
+Everything held back is counted once per episode (:class:`.writer.Notices`); a write the server
+refuses is held (:class:`.writer.Refusals`) and the pass goes on with the other devices.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import structlog
 
 from ..devices.model import DeviceIdentity
 from ..health.model import Condition, DeviceHealth, Tier
 from ..k8s.connection import ApiError
+from ..k8s.model import DeviceKey
 from ..model.join import effective_health
+from ..model.snapshot import PublishedDevice
 from ..reasons import Suppression
-from . import domains
-from .notices import BUDGET_KEY, NODE_KEY, Notices, Refusals
-from .plan import ADMIN_DELETED, Action, Decision, Effect, Safety, Target, decide, wanted
-from .policy import RemediationPolicy
+from .adoption import AdminMemory
+from .contract import Action, Effect, RemediationPolicy, Target
+from .plan import ADMIN_DELETED, Decision, Safety, decide, wanted
 from .rails import SafetyRails, Verdict
-from .rules import OwnedRules
-from .state import AdminMemory
-from .writer import NameTaken, Outcome, RuleWriter
+from .record import OwnedRules
+from .writer import BUDGET_KEY, NODE_KEY, NameTaken, Notices, Outcome, Refusals, RuleWriter
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class FaultDomain:
+    """One physical GPU and every DRA device of this node's slices backed by it."""
+
+    gpu: str  # the physical GPU's uuid: the unit every safety rail counts
+    targets: tuple[Target, ...]
+
+
+def targets(published: Iterable[PublishedDevice]) -> list[Target]:
+    """Every published device that resolves to a local device, with its fault domain."""
+    return [Target(driver=p.driver, pool=p.pool, device=p.device, uuid=p.uuid, gpu=p.gpu) for p in published if p.uuid]
+
+
+def group(ts: list[Target]) -> list[FaultDomain]:
+    """Targets grouped by physical GPU, in a stable order (by GPU uuid, devices by name)."""
+    by: dict[str, list[Target]] = {}
+    for t in ts:
+        by.setdefault(t.domain, []).append(t)
+    return [FaultDomain(gpu=g, targets=tuple(sorted(v, key=lambda t: t.key))) for g, v in sorted(by.items())]
 
 # What each verdict of the rails makes of the safety state plan.decide reads (ALLOWED: nothing).
 _SAFETY: dict[Verdict, dict[str, bool]] = {
@@ -45,7 +87,7 @@ class Reconciler:
         self.pending: dict[str, list[Outcome]] = {}  # a domain's writes not yet told (pass failed midway)
         self._plugin_notified: dict[str, str] = {}
 
-    def run(self, targets: Sequence[Target], gpus: Sequence[DeviceIdentity], published: frozenset[tuple[str, str, str]] | None,
+    def run(self, targets: Sequence[Target], gpus: Sequence[DeviceIdentity], published: frozenset[DeviceKey] | None,
             health: dict[str, DeviceHealth], now: float, supports_none: bool, kill_switch: bool) -> None:
         fatal_since: dict[str, float] = {}  # GPU-wide fatal faults by physical GPU
         for i in gpus:
@@ -60,7 +102,7 @@ class Reconciler:
             self.notices.over(NODE_KEY, Suppression.NODE_FAULT)
         covered: set[str] = set()
         wanting: set[str] = set()
-        for dom in domains.group(list(targets)):
+        for dom in group(list(targets)):
             outcomes = self.pending.pop(dom.gpu, [])
             try:
                 self._domain(dom, health, fatal_since, nodewide, supports_none, now, kill_switch, covered, wanting, outcomes)
@@ -77,7 +119,7 @@ class Reconciler:
         if published is not None:  # (before the first slice list every GPU would look device-plugin managed)
             self._device_plugin_notices(gpus, health, covered)
 
-    def _domain(self, dom: domains.FaultDomain, health: dict[str, DeviceHealth], fatal_since: dict[str, float], nodewide: set[str],
+    def _domain(self, dom: FaultDomain, health: dict[str, DeviceHealth], fatal_since: dict[str, float], nodewide: set[str],
                 supports_none: bool, now: float, kill_switch: bool, covered: set[str], wanting: set[str], outcomes: list[Outcome]) -> None:
         gpu_fatal = dom.gpu in fatal_since
         # every device's effective health: its own conditions plus its GPU's GPU-wide ones
@@ -144,7 +186,7 @@ class Reconciler:
         if not d.suppressed:
             self.notices.over(t.key)  # applied without any limit: this device's episode (if any) is over
 
-    def _retire_unpublished(self, published: frozenset[tuple[str, str, str]], now: float, kill_switch: bool) -> None:
+    def _retire_unpublished(self, published: frozenset[DeviceKey], now: float, kill_switch: bool) -> None:
         """Rules for devices this node no longer publishes (MIG layout changed, driver gone)
         select nothing and would otherwise be orphaned forever; they go after the hold."""
         outcomes: list[Outcome] = []

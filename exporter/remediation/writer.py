@@ -12,6 +12,17 @@ and a raise or refresh (new evidence) write the current boot; a step-down leaves
 ``reset-required: false`` (the device has been healthy for a hold: its reset was seen), so a
 restart under the same boot releases it as the previous process would have. Times here are
 monotonic (the health engine's); the first-seen annotation and Events carry wall dates.
+
+What it held back is told too: What the remediator tells people about what it held back: one Warning Event and one count per
+episode, and the writes the API server refused.
+
+* :class:`Notices`: a (device, suppression) episode is told once, in a ``HealthRemediationSuppressed``
+  Event on the Node, and counted once in ``dra_gpu_exporter_taint_suppressed_total``. The only
+  place the counter is counted, and only with a :class:`~exporter.reasons.Suppression`, so the
+  metric's documented reasons (from the same enum) are all the reasons it can carry.
+* :class:`Refusals`: a write the server refused (401, 403, 422...) or whose name is taken is held
+  for the policy's ``refused_retry`` unless the decision changes; each held write is one line of
+  ``/readyz`` and fails the remediation collector.
 """
 
 from __future__ import annotations
@@ -23,16 +34,16 @@ from dataclasses import dataclass
 import structlog
 
 from ..clock import Clock, to_wall
-from ..config import TaintMode
 from ..health.model import DeviceHealth, Tier
+from ..k8s import names
 from ..k8s.connection import ApiError
 from ..k8s.events import micro_time
+from ..k8s.model import DeviceKey
 from ..k8s.taintrules import RuleChange, RuleSpec
-from . import names
-from .plan import EFFECT_RANK, EVIDENCE_MAX, Action, Decision, OwnedRule, Target
-from .ports import EventSink, Key, RuleApi
-from .report import Histogram
-from .rules import OwnedRules, owned_from_stored
+from ..reasons import Suppression, TaintMode
+from .contract import Action, EventSink, Histogram, RuleApi, Target
+from .plan import EFFECT_RANK, Decision
+from .record import EVIDENCE_MAX, OwnedRule, OwnedRules, owned_from_stored
 
 log = structlog.get_logger(__name__)
 
@@ -59,7 +70,7 @@ class Outcome:
 class RuleWriter:
     def __init__(
         self, node: str, mode: TaintMode, api: RuleApi, events: EventSink, record: OwnedRules, clock: Clock,
-        hold: float, boot_id: str, on_gone: Callable[[Key, OwnedRule], None],
+        hold: float, boot_id: str, on_gone: Callable[[DeviceKey, OwnedRule], None],
     ) -> None:
         self.node, self.mode, self.api, self.events, self.record = node, mode, api, events, record
         self.clock, self.hold, self.boot_id = clock, hold, boot_id
@@ -235,6 +246,13 @@ class RuleWriter:
             note, action, warning = _NOTES[event](what, ident, first, self.hold)
             self.events.record(self.ref(first.rule), event, note, action, warning=warning)
 
+    def adopted(self, rules: list[OwnedRule]) -> list[OwnedRule]:
+        """Rules a resync adopted (an agent restarted): counted and told, here only."""
+        for r in rules:
+            self.actions["adopt"] += 1
+            self.adopted_event(r, "found carrying this agent's labels (agent restarted)")
+        return rules
+
     def adopted_event(self, rule: OwnedRule, how: str) -> None:
         note = f"{rule.driver}/{rule.pool}/{rule.device} ({rule.uuid or 'unknown GPU'}): rule with effect {rule.effect} adopted: {how}"
         self.events.record(self.ref(rule.name), "GPUTaintAdopted", note, "Adopt")
@@ -261,3 +279,68 @@ _NOTES: Mapping[str, Callable[[str, str, Outcome, float], tuple[str, str, bool]]
     "HardwareSwapDetected": lambda w, i, o, h: (f"{w}: the rule named GPU {o.evidence}, the device is now {o.target.uuid}; rule removed", "Untaint", False),
     "GPUUntainted": _untainted,
 }
+
+
+# --------------------------------------------------------------------------- what was held back
+NO_API_KEY = ("api", "", "")  # the cluster-wide "no DeviceTaintRule API"
+NODE_KEY = ("node", "", "")  # node-wide episodes
+BUDGET_KEY = ("budget", "", "")  # "the budget object cannot be read"
+Signature = tuple[str, str, str]  # (action, effect, tier) of a decision
+
+
+class Notices:
+    def __init__(self, tell: Callable[[str], None]) -> None:
+        self._tell = tell  # a Warning Event on the Node
+        self._told: set[tuple[DeviceKey, str]] = set()
+        self.suppressed: Counter[str] = Counter()
+
+    def announce(self, key: DeviceKey, what: Suppression, note: str) -> None:
+        what = Suppression(what)  # a stray string fails here, in tests, not in a dashboard
+        tag = (key, what.value)
+        if tag in self._told:
+            return
+        self._told.add(tag)
+        self.suppressed[what.value] += 1
+        log.warning("remediation_suppressed", what=what.value, device=key[2] or None, note=note)
+        self._tell(note)
+
+    def over(self, key: DeviceKey, what: Suppression | None = None) -> None:
+        """The episode is over (one suppression, or every one of the key): a new one is news."""
+        if not self._told:
+            return
+        if what is not None:
+            self._told.discard((key, what.value))
+        else:
+            self._told = {tag for tag in self._told if tag[0] != key}
+
+
+class Refusals:
+    def __init__(self) -> None:
+        self._held: dict[DeviceKey, tuple[Signature, float, str]] = {}
+
+    def __contains__(self, key: DeviceKey) -> bool:
+        return key in self._held
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+    def hold(self, key: DeviceKey, sig: Signature, until: float, line: str) -> None:
+        self._held[key] = (sig, until, line)
+
+    def holds(self, key: DeviceKey, sig: Signature, now: float) -> bool:
+        """Whether this decision was refused before and is not to be asked again yet; a held
+        write whose decision changed, or whose hold is over, is let go."""
+        held = self._held.get(key)
+        if held is None:
+            return False
+        if held[0] == sig and now < held[1]:
+            return True
+        del self._held[key]
+        return False
+
+    def clear(self) -> None:
+        """Ask every held write again at the next pass."""
+        self._held.clear()
+
+    def lines(self) -> tuple[str, ...]:
+        return tuple(v[2] for _, v in sorted(self._held.items()))

@@ -1,4 +1,5 @@
-"""The record of the rules this agent owns: one owner, one lock.
+"""The record of the DeviceTaintRules this agent owns: :class:`OwnedRule` (what one rule says, plus this
+process's timers for it) and :class:`OwnedRules`, its one owner and lock.
 
 The writer puts, changes and drops rules through it as it writes them; a resync adopts what the
 cluster holds into it (:meth:`OwnedRules.sync`); the report reads frozen views of it. Nothing
@@ -11,12 +12,42 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from ..k8s.model import DeviceKey
 from ..k8s.taintrules import StoredRule
-from .plan import Effect, OwnedRule
-from .report import TaintRuleView
+from .contract import Effect, TaintRuleView
 
-Key = tuple[str, str, str]
+EVIDENCE_MAX = 1024  # characters of evidence kept in the rule's annotation
 WATCH_LAG = 10.0  # seconds a rule we created may be missing from a watch's cache without being gone
+
+
+@dataclass
+class OwnedRule:
+    name: str
+    driver: str
+    pool: str
+    device: str
+    uuid: str
+    effect: str
+    tier: str
+    reason: str = ""
+    evidence: str = ""  # as written in the rule's annotation (at most EVIDENCE_MAX characters)
+    sticky: bool = False  # carries the sticky label: only a person clears it
+    uid: str = ""
+    managed: bool = True
+    calm_since: float | None = None  # since when the device has wanted less than this rule
+    gone_since: float | None = None  # since when this node no longer publishes the device
+    created_at: float | None = None
+    virtual: bool = False  # dry-run: what would exist; never written, never exported as a rule
+    refreshed_at: float | None = None  # when this agent last wrote reason and evidence
+    gpu: str = ""  # the fault domain (physical GPU) the rule was written for
+    scope: str = "gpu"  # "gpu": a GPU-wide fault; "instance": one MIG instance's own fault
+    first_seen: float | None = None  # first evidence, as annotated
+    reset_required: bool | None = None  # a fatal fault: only an observed GPU reset clears it; None: not annotated
+    boot_id: str = ""  # the node boot the rule's fault was recorded under (annotation); "" when not annotated
+
+    @property
+    def key(self) -> DeviceKey:
+        return (self.driver, self.pool, self.device)
 
 
 def owned_from_stored(s: StoredRule) -> OwnedRule:
@@ -42,15 +73,17 @@ class Sync:
 
 
 class OwnedRules:
+    """The rules this agent owns, by device key: one owner, one lock."""
+
     def __init__(self) -> None:
-        self._rules: dict[Key, OwnedRule] = {}
+        self._rules: dict[DeviceKey, OwnedRule] = {}
         self._lock = threading.RLock()
         # Rules this agent deleted: a watch may still show them for a moment, and they must not
         # be adopted back (forgotten once the view no longer shows them).
         self._deleted: set[str] = set()
         self._synced = False  # a first resync happened: from then on a missing rule is news
 
-    def get(self, key: Key) -> OwnedRule | None:
+    def get(self, key: DeviceKey) -> OwnedRule | None:
         with self._lock:
             return self._rules.get(key)
 
@@ -64,7 +97,7 @@ class OwnedRules:
             for name, value in fields.items():
                 setattr(rule, name, value)
 
-    def forget(self, key: Key) -> OwnedRule | None:
+    def forget(self, key: DeviceKey) -> OwnedRule | None:
         """This agent deleted the rule (or a dry-run one went away)."""
         with self._lock:
             rule = self._rules.pop(key, None)
@@ -72,7 +105,7 @@ class OwnedRules:
                 self._deleted.add(rule.name)
             return rule
 
-    def mark_gone(self, key: Key) -> OwnedRule | None:
+    def mark_gone(self, key: DeviceKey) -> OwnedRule | None:
         """Someone else deleted the rule."""
         with self._lock:
             return self._rules.pop(key, None)
@@ -111,7 +144,7 @@ class OwnedRules:
         with self._lock:
             return len(self._rules)
 
-    def holds_noexecute(self, keys: Sequence[Key]) -> bool:
+    def holds_noexecute(self, keys: Sequence[DeviceKey]) -> bool:
         with self._lock:
             return any((r := self._rules.get(k)) is not None and r.effect == Effect.NO_EXECUTE.value for k in keys)
 
