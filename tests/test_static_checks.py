@@ -1,7 +1,8 @@
 """Static checks the suite makes itself. ruff (`ruff check exporter drasim tests bench`) and
 `mypy --strict` (`mypy`), both configured in pyproject.toml, run before the suite in CI (.ci/run),
 not in it: they cost the suite minutes and say nothing about behaviour. Here: that CI runs them
-first, and that every log event is one literal snake_case name."""
+first, that every log event is one literal snake_case name, and that the product reads the wall
+clock only through its clock seam."""
 
 from __future__ import annotations
 

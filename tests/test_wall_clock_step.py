@@ -22,15 +22,14 @@ import dataclasses
 import pytest
 import test_remediation_domains as domains
 from clock_helpers import ManualClock
-from kit_helpers import scrape_samples, wait_until
+from kit_helpers import gpu, scrape_samples, wait_until
 from test_remediation_domains import HOLD, NODE, POLICY, SETTLE, Rig, plain_gpus
 
 from drasim.backend import SimClock
 from drasim.node import SimulatedNode
 from drasim.scenario import parse_scenario
 from exporter.config import TaintMode
-from exporter.devices import model as devices
-from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, RecoveryAction, Vendor
+from exporter.devices.model import DeviceEvent, DeviceReading, EventKind, ReadError, RecoveryAction
 from exporter.health.engine import HealthEngine, HealthPolicy
 from exporter.health.model import READING_STUCK
 from exporter.k8s import names
@@ -41,8 +40,7 @@ from exporter.remediation.evictions import EVENT_REASON, GRACE
 make_rig = domains.make_rig  # the remediation rig's fixture
 HOUR, DAY = 3600.0, 86400.0
 T0 = 1_750_000_000.0
-G = DeviceIdentity(uuid="GPU-00000000-0000-0000-0000-000000000001", vendor=Vendor.NVIDIA, model="H100",
-                   pci_bus_id="0000:18:00.0", index=0)
+G = gpu(0)
 
 
 # ------------------------------------------------------------------------------ health
@@ -106,7 +104,7 @@ def test_a_lost_gpu_clears_after_it_reads_clean_for_the_clear_time(step):
     """A level condition (the GPU lost, then answering after a reset): clean for ``clear_hold``
     real seconds."""
     clock, h = engine(clear_hold=5.0)
-    h.observe([G], {G.uuid: DeviceReading.failed(G.uuid, devices.ReadError.LOST)})
+    h.observe([G], {G.uuid: DeviceReading.failed(G.uuid, ReadError.LOST)})
     clock.advance(1)
     cycle(h)
     clock.step_wall(step)
