@@ -125,7 +125,7 @@ def test_the_amd_drivers_taints_and_foreign_rules_are_no_health_no_budget_and_no
             # nothing adopted, nothing counted, nothing pending, no budget slot
             assert report.rules == () and report.pending_eviction == () and dict(report.actions) == {} and dict(report.suppressed) == {}
             assert [s for s in samples if s.name in ("dra_device_taint_rule", "dra_taint_pods_pending_eviction")] == []
-            assert not rem.rails.raised and not rem.record.noexecute_units()
+            assert not rem.rails.raised and not rem.record.noexecute_domains()
             assert api.get("", "configmaps", "dra-gpu-exporter-budget", "dra-gpu-exporter")["data"] == budget_before["data"]
             # the foreign rules untouched (same object, same resourceVersion), none deleted, none added
             after = {r["metadata"]["name"]: r for r in api.list("resource.k8s.io", "devicetaintrules")}

@@ -136,7 +136,7 @@ def test_remediation_plans_nothing_for_a_stuck_reading(mode):
     h.observe([G], {G.uuid: reading()})
     health = h.health(G.uuid)
     assert health.advisories
-    target = Target(driver="gpu.nvidia.com", pool="node", device="gpu-0", uuid=G.uuid)
+    target = Target(driver="gpu.nvidia.com", pool="node", device="gpu-0", uuid=G.uuid, gpu=G.uuid)
     d = decide(target, health, None, mode, Safety(), hold=1800.0, now=clock())
     assert d.action == Action.NOTHING
 

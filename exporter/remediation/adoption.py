@@ -34,14 +34,13 @@ from pathlib import Path
 import structlog
 
 from ..clock import Clock, from_wall
-from ..devices.model import DeviceEvent, EventKind
 from ..health.model import DeviceHealth, Tier
 from ..k8s.connection import ApiError
 from ..k8s.model import DeviceKey
 from ..k8s.nodestate import Deletion
 from .contract import DeletionStore, HealthSource, KillSwitch, RuleFeed
 from .plan import EFFECT_RANK, TIER_EFFECT
-from .record import OwnedRule, OwnedRules, unit_of
+from .record import OwnedRule, OwnedRules, domain_of
 
 log = structlog.get_logger(__name__)
 
@@ -102,7 +101,7 @@ def restore_health(health: HealthSource, rules: Sequence[OwnedRule], clock: Cloc
     for r in rules:
         if not r.reason or r.tier not in {t.value for t in Tier} or r.sticky:
             continue  # (a sticky rule comes back through mark_sticky: its label is the record)
-        uuid = unit_of(r)
+        uuid = domain_of(r)
         if not uuid or (uuid, r.reason) in done:
             continue
         proven = reset_proven(r, boot)
@@ -112,12 +111,12 @@ def restore_health(health: HealthSource, rules: Sequence[OwnedRule], clock: Cloc
         done.add((uuid, r.reason))
         since = now if r.first_seen is None else min(now, from_wall(clock, r.first_seen))
         health.restore(uuid, r.reason, Tier(r.tier), since, r.evidence, bool(r.reset_required))
-        log.info("health_restored_from_rule", rule=r.name, uuid=uuid, reason=r.reason, tier=r.tier, reset_required=r.reset_required, reset_proven=proven)
+        log.info("health_restored_from_rule", rule=r.name, uuid=uuid, reason=r.reason, tier=r.tier,
+                 reset_required=r.reset_required, reset_proven=proven)
         if proven:
             reset[uuid] = r.name
     for uuid, name in reset.items():
-        log.warning("gpu_reset_proven", uuid=uuid, rule=name, boot_id=boot.boot_id or None)
-        health.on_event(DeviceEvent(uuid=uuid, kind=EventKind.RESET, detail=f"proven on adoption of {name}"))
+        health.reset_proven(uuid, f"proven on adoption of {name} (boot {boot.boot_id or 'unknown'})")
     return len(done)
 
 
@@ -177,7 +176,9 @@ class AdminMemory:
         if not h.conditions:
             self.forget(key)
             return None
-        fresh = [c for c in h.conditions if c.last_seen > entry.at and (not entry.carried or _event_reason(c.reason) or c.reason != entry.reason)]
+        # (a deletion read back covers the same state seen again after the restart: only an event is news)
+        news = [c for c in h.conditions if not entry.carried or _event_reason(c.reason) or c.reason != entry.reason]
+        fresh = [c for c in news if c.last_seen > entry.at]
         return None if fresh else math.inf
 
     def _save(self) -> None:
@@ -192,10 +193,11 @@ class AdminMemory:
 
 class RuleSync:
     def __init__(
-        self, feed: RuleFeed, kill: KillSwitch, record: OwnedRules, health: HealthSource, admin: AdminMemory, boot: BootIdentity,
-        clock: Clock,
+        self, feed: RuleFeed, kill: KillSwitch, record: OwnedRules, health: HealthSource, admin: AdminMemory,
+        boot: BootIdentity, clock: Clock,
     ) -> None:
-        self.feed, self.kill, self.record, self.health, self.admin, self.boot, self.clock = feed, kill, record, health, admin, boot, clock
+        self.feed, self.kill, self.record, self.health = feed, kill, record, health
+        self.admin, self.boot, self.clock = admin, boot, clock
         self.kill_switch = False  # the node's label says "disabled"
 
     def run(self) -> list[OwnedRule]:
@@ -226,7 +228,8 @@ class RuleSync:
             if r.sticky and r.uuid:
                 # The failure history died with the previous process; the label is the record,
                 # so gpu_healthy agrees with the rule until a person clears it.
-                self.health.mark_sticky(r.uuid, f"sticky label on DeviceTaintRule {r.name} (failed too often before the agent restarted); clear by hand")
+                why = "failed too often before the agent restarted"
+                self.health.mark_sticky(r.uuid, f"sticky label on DeviceTaintRule {r.name} ({why}); clear by hand")
         return sync.adopted
 
     def deleted_by_someone(self, key: DeviceKey, rule: OwnedRule) -> None:

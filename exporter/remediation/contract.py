@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..devices.model import DeviceEvent
 from ..health.model import DeviceHealth, Scope, Tier
 from ..k8s.model import ClaimInfo, DeviceKey, PodInfo
 from ..k8s.nodestate import Deletion
@@ -42,6 +41,18 @@ class Action(str, enum.Enum):
     KEEP = "keep"
 
 
+class Verdict(enum.Enum):
+    """The safety rails' answer for one fault domain that wants NoExecute (exporter.remediation.rails);
+    :func:`~.plan.decide` takes it as it is."""
+
+    ALLOWED = "allowed"  # raise (or keep) NoExecute
+    SETTLING = "settling"  # fenced until the settle window ends: not a suppression
+    NODE_FAULT = "node_fault"
+    RATE_LIMITED = "rate_limit"
+    BUDGET_FULL = "budget"
+    BUDGET_UNAVAILABLE = "budget_unavailable"
+
+
 @dataclass(frozen=True)
 class Target:
     """A DRA device published by this node's ResourceSlices, resolved to a local device."""
@@ -50,14 +61,10 @@ class Target:
     pool: str
     device: str
     uuid: str  # the local device (a MIG instance's own uuid for MIG devices)
-    gpu: str = ""  # the physical GPU (fault domain) it lives on; "" = uuid
+    gpu: str  # the physical GPU it lives on (its own uuid for a full GPU)
 
     @property
-    def domain(self) -> str:
-        return self.gpu or self.uuid
-
-    @property
-    def key(self) -> tuple[str, str, str]:
+    def key(self) -> DeviceKey:
         return (self.driver, self.pool, self.device)
 
 
@@ -94,10 +101,11 @@ class HealthSource(Protocol):
 
     def all_health(self) -> dict[str, DeviceHealth]: ...
     def subscribe(self, fn: Callable[[str], None]) -> None: ...
-    def restore(self, uuid: str, reason: str, tier: Tier, since: float, evidence: str, reset_required: bool, scope: Scope | None = None) -> None: ...
+    def restore(self, uuid: str, reason: str, tier: Tier, since: float, evidence: str, reset_required: bool,
+                scope: Scope | None = None) -> None: ...
     def mark_sticky(self, uuid: str, note: str, scope: Scope = Scope.GPU) -> None: ...
     def clear_sticky(self, uuid: str) -> None: ...
-    def on_event(self, ev: DeviceEvent) -> None: ...
+    def reset_proven(self, uuid: str, why: str) -> None: ...  # a reset this process did not see, proven
 
 
 class RuleApi(Protocol):
@@ -115,7 +123,8 @@ class RuleApi(Protocol):
 class EventSink(Protocol):
     """Kubernetes Events (exporter.k8s.events.EventRecorder); never raises."""
 
-    def record(self, regarding: Mapping[str, str], reason: str, note: str, action: str, warning: bool = False) -> object: ...
+    def record(self, regarding: Mapping[str, str], reason: str, note: str, action: str,
+               warning: bool = False) -> object: ...
 
 
 class RuleFeed(Protocol):

@@ -4,13 +4,11 @@ A thin loop over parts that each own their state: :mod:`.adoption` brings the re
 (:mod:`.record`) in line with the cluster after a restart and reads the kill switch; :mod:`.reconcile`
 decides every published device's rule (:mod:`.plan`) under the rails' verdict (:mod:`.rails`: settle
 window, node-wide test, rate window, cluster budget) and has :mod:`.writer` write and tell them;
-:mod:`.evictions` counts the pods still on each NoExecute device. The types they share, the seams
-and the report are in :mod:`.contract`.
+:mod:`.evictions` counts the pods still on each NoExecute device; :mod:`.contract` has their types.
 
-It runs on its own thread so API latency never stalls metric collection, and is woken at once by the
-health engine, the rule and node watches and the budget. Targets come from the snapshot the sampler
-hands it (``update``); it reads no source itself. Each pass ends in one frozen
-:class:`~.contract.RemediationReport`: all the agent reads.
+It runs on its own thread so API latency never stalls metric collection, woken at once by the health
+engine, the rule and node watches and the budget. Targets come from the snapshot the sampler hands it
+(``update``); it reads no source. Each pass ends in one frozen ``RemediationReport``: all the agent reads.
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ from .adoption import AdminMemory, BootIdentity, RuleSync
 from .contract import (
     Budget,
     DeletionStore,
-    Effect,
     EventSink,
     HealthSource,
     KillSwitch,
@@ -44,7 +41,7 @@ from .contract import (
 from .evictions import EvictionWatch
 from .rails import SafetyRails
 from .reconcile import Reconciler, targets
-from .record import OwnedRules, unit_of
+from .record import OwnedRules
 from .writer import NO_API_KEY, Notices, Refusals, RuleWriter
 
 __all__ = ["QUIET_PASS", "Remediator"]
@@ -70,16 +67,19 @@ class Remediator:
         clock: Clock = SYSTEM,
         pods: PodLookup | None = None,  # reads a pod that outstays its eviction (evictions.py)
     ) -> None:
-        self.policy, self.health, self.rules, self.feed, self.kill, self.budget, self.clock = policy, health, rules, feed, kill_switch, budget, clock
+        self.policy, self.health, self.rules, self.feed = policy, health, rules, feed
+        self.kill, self.budget, self.clock = kill_switch, budget, clock
         self.boot = boot or BootIdentity()
         self.record = OwnedRules()
         self.admin = AdminMemory(node_state, clock)
         self.sync = RuleSync(feed, kill_switch, self.record, health, self.admin, self.boot, clock)
-        self.writer = RuleWriter(policy.node, policy.mode, rules, events, self.record, clock, policy.hold, self.boot.boot_id, self.sync.deleted_by_someone)
-        self.notices = Notices(lambda note: self.writer.node_event("HealthRemediationSuppressed", note, "Taint", warning=True))
+        self.writer = RuleWriter(policy.node, policy.mode, rules, events, self.record, clock, policy.hold,
+                                 self.boot.boot_id, self.sync.deleted_by_someone)
+        self.notices = Notices(self.writer.tell_suppressed)
         self.refusals = Refusals()
         self.rails = SafetyRails(policy, budget)
-        self.reconciler = Reconciler(policy, self.record, self.rails, self.writer, self.notices, self.refusals, self.admin)
+        self.reconciler = Reconciler(policy, self.record, self.rails, self.writer, self.notices, self.refusals,
+                                     self.admin)
         self.evictions = EvictionWatch(pods, events, self.writer.ref, policy.eviction_grace, clock)
         self.ok = False
         self.last_error: str | None = None
@@ -94,7 +94,8 @@ class Remediator:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards the snapshot handed in and the published report
         self._report = RemediationReport(mode=policy.mode.value)
-        self._retry_at, self._backoff = 0.0, Backoff(0.5, 30.0)  # between failed passes; a 429's Retry-After is honoured
+        self._retry_at, self._backoff = 0.0, Backoff(0.5,
+                                                     30.0)  # between failed passes; a 429's Retry-After is honoured
         health.subscribe(lambda uuid: self.poke())
         budget.subscribe(self.poke)
 
@@ -132,12 +133,11 @@ class Remediator:
     def update(self, snap: Snapshot) -> None:
         """The sampler's new snapshot: a pass is due, unless the node is quiet.
 
-        Quiet (the last pass found every device healthy and holds no rule, nothing pending,
-        refused, settling, raised or waiting): a pass would decide NOTHING for every device,
-        whatever the readings or the slices say. What can end the quiet wakes the thread
-        itself: a health change (the health engine's subscription), a rule, the kill switch or
-        the budget (their watches). At a 1 s interval a pass per cycle was a tenth of an 8-GPU
-        node's CPU. New devices always ask for a pass."""
+        Quiet (the last pass found every device healthy and holds no rule, nothing pending, refused,
+        settling, raised or waiting): a pass would decide NOTHING for every device, whatever the
+        readings or the slices say. What can end the quiet wakes the thread itself: a health change
+        (the health engine's subscription), a rule, the kill switch or the budget (their watches).
+        At a 1 s interval a pass per cycle was a tenth of an 8-GPU node's CPU. New devices always ask."""
         with self._lock:
             old, self._snap = self._snap, snap
         if not self._quiet or old is None or [d.identity for d in old.devices] != [d.identity for d in snap.devices]:
@@ -190,14 +190,13 @@ class Remediator:
             supports_none = True if p.dry_run else self.rules.served().supports_none
             if not p.dry_run:  # (dry-run asks the API nothing)
                 self.api_served = True
-                for r in self.writer.adopted(self.sync.run()):
-                    if r.effect == Effect.NO_EXECUTE.value:
-                        self.rails.raised.add(unit_of(r))
+                self.writer.adopted(self.sync.run())
         except TaintRulesUnavailable as e:
             self.api_served = False
             # Not a failure of this agent but what the cluster offers (the API is off by default
             # before 1.37): told once per agent start; every pass looks again (discovery is cached).
-            self.notices.announce(NO_API_KEY, Suppression.NO_API, f"GPU faults on this node get no DeviceTaintRule: {e}. Health is reported in metrics only.")
+            note = f"GPU faults on this node get no DeviceTaintRule: {e}. Health is reported in metrics only."
+            self.notices.announce(NO_API_KEY, Suppression.NO_API, note)
             self._publish()
             return
         self.notices.over(NO_API_KEY, Suppression.NO_API)  # served again: a later loss is news
@@ -224,7 +223,8 @@ class Remediator:
     def active(self) -> bool:
         """Whether a fault on this node gets a DeviceTaintRule now: a writing mode, the API
         served, the node's kill switch off."""
-        return self.policy.mode in (TaintMode.SHADOW, TaintMode.ENFORCE) and self.api_served is True and not self.sync.kill_switch
+        return self.policy.mode in (TaintMode.SHADOW,
+                                    TaintMode.ENFORCE) and self.api_served is True and not self.sync.kill_switch
 
     def _publish(self) -> None:
         """Take the report on the remediation thread, between writes: every part of it is of the

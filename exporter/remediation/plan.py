@@ -1,17 +1,18 @@
 """What to do about one DRA device: pure decisions, no I/O.
 
 Given the device's health, the rule this agent already owns for it (if any), the mode and the
-safety state, :func:`decide` returns one :class:`Decision`. The engine executes it. Keeping the
-policy here makes every safety rule a plain-data test.
+rails' verdict for its fault domain (:class:`Safety`), :func:`decide` returns one :class:`Decision`;
+the writer executes it. Keeping the policy here makes every safety rule a plain-data test.
 
 Effects by tier in ``enforce`` mode: fatal -> NoExecute, degraded -> NoSchedule,
 informational -> None (where the server supports None). ``shadow`` writes None for every tier;
 ``dry-run`` decides exactly like ``enforce`` and writes nothing.
 
-Safety, in the order applied to a rule that would *raise* the effect to NoExecute:
+A raise to NoExecute under a verdict other than ALLOWED (the rails decide which, in this order):
+  * settling (a new fault inside its settle window) -> NoSchedule, not a suppression;
   * node-wide fault (most of the node's GPUs failing at once) -> NoSchedule only;
   * per-node rate limit on new NoExecute rules -> NoSchedule until the window allows;
-  * cluster-wide budget used up -> None (NoSchedule where None is not served).
+  * cluster budget unreadable -> NoSchedule; used up -> None (NoSchedule where None is not served).
 Lowering an effect is never blocked by them. The kill switch and ``managed=false`` stop
 every write. A rule is lowered one step per hold period (NoExecute -> NoSchedule -> gone), so a
 device that recovers and re-fails does not flap its taint. A *sticky* rule (the device re-failed
@@ -32,11 +33,12 @@ from dataclasses import dataclass
 
 from ..health.model import DeviceHealth, Tier
 from ..reasons import Suppression, TaintMode
-from .contract import Action, Effect, Target
+from .contract import Action, Effect, Target, Verdict
 from .record import EVIDENCE_MAX, OwnedRule
 
 EFFECT_RANK = {Effect.NONE.value: 0, Effect.NO_SCHEDULE.value: 1, Effect.NO_EXECUTE.value: 2}
-TIER_EFFECT = {Tier.FATAL: Effect.NO_EXECUTE.value, Tier.DEGRADED: Effect.NO_SCHEDULE.value, Tier.INFORMATIONAL: Effect.NONE.value}
+TIER_EFFECT = {Tier.FATAL: Effect.NO_EXECUTE.value, Tier.DEGRADED: Effect.NO_SCHEDULE.value,
+               Tier.INFORMATIONAL: Effect.NONE.value}
 RECORD_REFRESH = 60.0  # seconds between two rewrites of a rule's reason and evidence
 # A decision-only note, never counted or announced: an admin deleted the rule and no new
 # evidence has come since, so not recreating it is what they asked for.
@@ -45,13 +47,13 @@ ADMIN_DELETED = "admin_deleted"
 
 @dataclass(frozen=True)
 class Safety:
+    """What limits a decision besides the device: the node's kill switch, whether the server
+    serves effect None, and the rails' verdict for the device's fault domain (ALLOWED unless it
+    wants NoExecute and may not have it yet)."""
+
     kill_switch: bool = False
-    rate_ok: bool = True  # another NoExecute rule fits in this node's rate window
-    budget_ok: bool = True  # the cluster-wide NoExecute budget has room
-    node_fault: bool = False  # most of this node's GPUs failed together
     supports_none: bool = True
-    settling: bool = False  # a new fatal fault inside its settle window: NoSchedule until it ends
-    budget_unavailable: bool = False  # the cluster budget object cannot be read: NoSchedule (fail safe)
+    verdict: Verdict = Verdict.ALLOWED
 
 
 @dataclass(frozen=True)
@@ -79,21 +81,17 @@ def wanted(health: DeviceHealth, mode: TaintMode, supports_none: bool) -> tuple[
 
 
 def _limit(effect: str, safety: Safety) -> tuple[str | None, str]:
-    if effect != Effect.NO_EXECUTE.value:
+    """A raise to NoExecute under the rails' verdict: the effect written instead, and why."""
+    v = safety.verdict
+    if effect != Effect.NO_EXECUTE.value or v is Verdict.ALLOWED:
         return effect, ""
-    if safety.settling:
+    if v is Verdict.SETTLING:
         # Fence now (nothing new lands), evict once the picture is clear: not a suppression,
         # the raise is only pending.
         return Effect.NO_SCHEDULE.value, ""
-    if safety.node_fault:
-        return Effect.NO_SCHEDULE.value, Suppression.NODE_FAULT
-    if not safety.rate_ok:
-        return Effect.NO_SCHEDULE.value, Suppression.RATE_LIMIT
-    if safety.budget_unavailable:
-        return Effect.NO_SCHEDULE.value, Suppression.BUDGET_UNAVAILABLE
-    if not safety.budget_ok:
-        return (Effect.NONE.value if safety.supports_none else Effect.NO_SCHEDULE.value), Suppression.BUDGET
-    return effect, ""
+    if v is Verdict.BUDGET_FULL and safety.supports_none:
+        return Effect.NONE.value, Suppression.BUDGET
+    return Effect.NO_SCHEDULE.value, Suppression(v.value)  # (a verdict that holds back is named as its suppression)
 
 
 def _stale(rule: OwnedRule, reason: str, evidence: str, sticky: bool, now: float) -> bool:
@@ -120,7 +118,8 @@ def decide(
     # A rule keeps naming the condition it was written for while that condition holds: one more
     # condition of the same tier is no news for the rule (gpu_health_condition shows it), and
     # following the sort order instead would rewrite the rule with every condition that comes.
-    worst = next((c for c in candidates if rule is not None and c.reason == rule.reason), None) or next(iter(candidates), None)
+    worst = next((c for c in candidates if rule is not None and c.reason == rule.reason),
+                 None) or next(iter(candidates), None)
     reason = worst.reason if worst else ""
     evidence = worst.evidence if worst else ""
     # Sticky until a person clears it: the health engine's verdict, or the label on the rule
@@ -144,7 +143,8 @@ def decide(
         limited, suppressed = effect, ""
     else:
         limited, suppressed = _limit(effect, safety)
-        if rule is not None and limited is not None and EFFECT_RANK[limited] < EFFECT_RANK.get(rule.effect, 0) <= EFFECT_RANK[effect]:
+        if rule is not None and limited is not None and EFFECT_RANK[limited] < EFFECT_RANK.get(rule.effect,
+            0) <= EFFECT_RANK[effect]:
             # A limit caps a raise; it must not lower what the rule already has (a fatal
             # device keeps its NoSchedule while the NoExecute budget is used up).
             limited = rule.effect
@@ -156,20 +156,24 @@ def decide(
             return Decision(Action.NOTHING, suppressed=ADMIN_DELETED)
         if safety.kill_switch:
             return Decision(Action.NOTHING, suppressed=Suppression.KILL_SWITCH)
-        return Decision(Action.CREATE, effect=limited, tier=tier.value if tier else "", reason=reason, evidence=evidence, sticky=sticky, suppressed=suppressed)
+        return Decision(Action.CREATE, effect=limited, tier=tier.value if tier else "", reason=reason,
+                        evidence=evidence, sticky=sticky, suppressed=suppressed)
 
     current = EFFECT_RANK.get(rule.effect, 0)
     target_rank = EFFECT_RANK[limited] if limited is not None else -1
     # ranks are >= 0, so a higher target always has an effect (limited is None ranks -1)
-    if limited is not None and (target_rank > current or (target_rank == current and tier is not None and tier.value != rule.tier)):
+    retier = target_rank == current and tier is not None and tier.value != rule.tier
+    if limited is not None and (target_rank > current or retier):
         if safety.kill_switch:
             return Decision(Action.KEEP, suppressed=Suppression.KILL_SWITCH)
-        return Decision(Action.UPDATE, effect=limited, tier=tier.value if tier else rule.tier, reason=reason, evidence=evidence, sticky=sticky, suppressed=suppressed)
+        return Decision(Action.UPDATE, effect=limited, tier=tier.value if tier else rule.tier, reason=reason,
+                        evidence=evidence, sticky=sticky, suppressed=suppressed)
     if target_rank == current:
         if _stale(rule, reason, evidence, sticky, now):
             if safety.kill_switch:
                 return Decision(Action.KEEP, suppressed=Suppression.KILL_SWITCH)
-            return Decision(Action.REFRESH, effect=rule.effect, tier=rule.tier, reason=reason, evidence=evidence, sticky=sticky, suppressed=suppressed)
+            return Decision(Action.REFRESH, effect=rule.effect, tier=rule.tier, reason=reason, evidence=evidence,
+                            sticky=sticky, suppressed=suppressed)
         return Decision(Action.KEEP, suppressed=suppressed)
 
     if sticky:
@@ -179,7 +183,8 @@ def decide(
             return Decision(Action.KEEP, suppressed=suppressed)
         if safety.kill_switch:
             return Decision(Action.KEEP, suppressed=Suppression.KILL_SWITCH)
-        return Decision(Action.REFRESH, effect=rule.effect, tier=rule.tier, reason=reason or rule.reason, evidence=evidence if reason else rule.evidence, sticky=True, suppressed=suppressed)
+        return Decision(Action.REFRESH, effect=rule.effect, tier=rule.tier, reason=reason or rule.reason,
+                        evidence=evidence if reason else rule.evidence, sticky=True, suppressed=suppressed)
     # The device wants less than the rule says: step down once the hold period has passed.
     calm = rule.calm_since if rule.calm_since is not None else now
     if now - calm < hold:
@@ -195,4 +200,6 @@ def decide(
         return Decision(Action.DELETE, why="recovered")
     # A device with nothing left to show keeps the record of why it was tainted.
     reason, evidence = (reason, evidence) if reason else (rule.reason, rule.evidence)
-    return Decision(Action.UPDATE, effect=step, tier=tier.value if (tier is not None and step == limited) else rule.tier, reason=reason, evidence=evidence, calm_since=None)
+    return Decision(Action.UPDATE, effect=step,
+                    tier=tier.value if (tier is not None and step == limited) else rule.tier, reason=reason,
+                    evidence=evidence, calm_since=None)

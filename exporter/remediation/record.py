@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from ..health.model import Scope
 from ..k8s.model import DeviceKey
 from ..k8s.taintrules import StoredRule
 from .contract import Effect, TaintRuleView
@@ -40,7 +41,7 @@ class OwnedRule:
     virtual: bool = False  # dry-run: what would exist; never written, never exported as a rule
     refreshed_at: float | None = None  # when this agent last wrote reason and evidence
     gpu: str = ""  # the fault domain (physical GPU) the rule was written for
-    scope: str = "gpu"  # "gpu": a GPU-wide fault; "instance": one MIG instance's own fault
+    scope: Scope = Scope.GPU  # GPU: a GPU-wide fault; INSTANCE: one MIG instance's own fault
     first_seen: float | None = None  # first evidence, as annotated
     reset_required: bool | None = None  # a fatal fault: only an observed GPU reset clears it; None: not annotated
     boot_id: str = ""  # the node boot the rule's fault was recorded under (annotation); "" when not annotated
@@ -52,15 +53,17 @@ class OwnedRule:
 
 def owned_from_stored(s: StoredRule) -> OwnedRule:
     return OwnedRule(
-        name=s.name, driver=s.driver, pool=s.pool, device=s.device, uuid=s.uuid, effect=s.effect, tier=s.tier, reason=s.reason,
-        evidence=s.evidence, sticky=s.sticky, uid=s.uid, managed=s.managed, gpu=s.gpu, scope=s.scope, first_seen=s.first_seen,
+        name=s.name, driver=s.driver, pool=s.pool, device=s.device, uuid=s.uuid, effect=s.effect, tier=s.tier,
+        reason=s.reason, evidence=s.evidence, sticky=s.sticky, uid=s.uid, managed=s.managed, gpu=s.gpu,
+        scope=Scope.INSTANCE if s.scope == Scope.INSTANCE.value else Scope.GPU, first_seen=s.first_seen,
         reset_required=s.reset_required, boot_id=s.boot_id,
     )
 
 
-def unit_of(rule: OwnedRule) -> str:
-    """The unit a rule's NoExecute counts against: its fault domain, or its MIG instance."""
-    return rule.uuid if rule.scope == "instance" or not rule.gpu else rule.gpu
+def domain_of(rule: OwnedRule) -> str:
+    """The fault domain a rule's NoExecute counts against: its physical GPU, or its MIG instance
+    (a fatal fault of the instance's own)."""
+    return rule.uuid if rule.scope is Scope.INSTANCE or not rule.gpu else rule.gpu
 
 
 @dataclass
@@ -91,11 +94,30 @@ class OwnedRules:
         with self._lock:
             self._rules[rule.key] = rule
 
-    def change(self, rule: OwnedRule, **fields: object) -> None:
-        """Set fields of a rule of the record (under the lock: views never see half a change)."""
+    def calm(self, rule: OwnedRule, since: float | None) -> None:
+        """Since when the device has wanted less than the rule (None: it wants what the rule has)."""
         with self._lock:
-            for name, value in fields.items():
-                setattr(rule, name, value)
+            rule.calm_since = since
+
+    def unpublished(self, rule: OwnedRule, since: float | None) -> None:
+        """Since when this node no longer publishes the rule's device (None: it does)."""
+        with self._lock:
+            rule.gone_since = since
+
+    def wrote(self, rule: OwnedRule, *, tier: str, reason: str, evidence: str, sticky: bool, at: float,
+              effect: str | None = None,
+              reset_required: bool | None = None, boot_id: str | None = None) -> None:
+        """What a write put on the rule (a dry-run rule: what it would have put), under the lock:
+        views never see half a change. An update (``effect``) starts a new calm period."""
+        with self._lock:
+            if effect is not None:
+                rule.effect, rule.calm_since = effect, None
+            rule.tier, rule.reason, rule.evidence = tier, reason, evidence[:EVIDENCE_MAX]
+            rule.sticky, rule.refreshed_at = rule.sticky or sticky, at
+            if reset_required is not None:
+                rule.reset_required = reset_required
+            if boot_id is not None:
+                rule.boot_id = boot_id
 
     def forget(self, key: DeviceKey) -> OwnedRule | None:
         """This agent deleted the rule (or a dry-run one went away)."""
@@ -148,9 +170,9 @@ class OwnedRules:
         with self._lock:
             return any((r := self._rules.get(k)) is not None and r.effect == Effect.NO_EXECUTE.value for k in keys)
 
-    def noexecute_units(self) -> set[str]:
+    def noexecute_domains(self) -> set[str]:
         with self._lock:
-            return {unit_of(r) for r in self._rules.values() if r.effect == Effect.NO_EXECUTE.value}
+            return {domain_of(r) for r in self._rules.values() if r.effect == Effect.NO_EXECUTE.value}
 
     def views(self) -> tuple[TaintRuleView, ...]:
         with self._lock:

@@ -13,8 +13,8 @@ and a raise or refresh (new evidence) write the current boot; a step-down leaves
 restart under the same boot releases it as the previous process would have. Times here are
 monotonic (the health engine's); the first-seen annotation and Events carry wall dates.
 
-What it held back is told too: What the remediator tells people about what it held back: one Warning Event and one count per
-episode, and the writes the API server refused.
+It also tells people what the remediator held back: one Warning Event and one count per episode,
+and the writes the API server refused.
 
 * :class:`Notices`: a (device, suppression) episode is told once, in a ``HealthRemediationSuppressed``
   Event on the Node, and counted once in ``dra_gpu_exporter_taint_suppressed_total``. The only
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import structlog
 
 from ..clock import Clock, to_wall
-from ..health.model import DeviceHealth, Tier
+from ..health.model import DeviceHealth, Scope, Tier
 from ..k8s import names
 from ..k8s.connection import ApiError
 from ..k8s.events import micro_time
@@ -108,10 +108,11 @@ class RuleWriter:
         return {"apiVersion": self.api.api_version, "kind": "DeviceTaintRule", "name": name}
 
     # -- writes ------------------------------------------------------------------------------
-    def apply(self, t: Target, h: DeviceHealth, rule: OwnedRule | None, d: Decision, now: float, scope: str) -> Outcome | None:
+    def apply(self, t: Target, h: DeviceHealth, rule: OwnedRule | None, d: Decision, now: float,
+              scope: Scope) -> Outcome | None:
         if d.action in (Action.NOTHING, Action.KEEP):
             if rule is not None and d.action == Action.KEEP and d.calm_since != rule.calm_since:
-                self.record.change(rule, calm_since=d.calm_since)
+                self.record.calm(rule, d.calm_since)
             return None
         if d.action == Action.CREATE:
             return self.create(t, h, d, now, scope)
@@ -123,12 +124,13 @@ class RuleWriter:
             return self.refresh(t, rule, d, now)
         return self.delete(t, rule, d)
 
-    def create(self, t: Target, h: DeviceHealth, d: Decision, now: float, scope: str) -> Outcome | None:
+    def create(self, t: Target, h: DeviceHealth, d: Decision, now: float, scope: Scope) -> Outcome | None:
         name = names.rule_name(self.node, t.driver, t.pool, t.device)
         first = self.first_seen(h, d.tier)
         rule = OwnedRule(
-            name=name, driver=t.driver, pool=t.pool, device=t.device, uuid=t.uuid, effect=d.effect, tier=d.tier, reason=d.reason,
-            evidence=d.evidence[:EVIDENCE_MAX], sticky=d.sticky, created_at=now, refreshed_at=now, gpu=t.domain, scope=scope,
+            name=name, driver=t.driver, pool=t.pool, device=t.device, uuid=t.uuid, effect=d.effect, tier=d.tier,
+            reason=d.reason, evidence=d.evidence[:EVIDENCE_MAX], sticky=d.sticky, created_at=now, refreshed_at=now,
+            gpu=t.gpu, scope=scope,
             first_seen=first, reset_required=d.tier == Tier.FATAL.value, boot_id=self.boot_id,
         )
         if self.mode == TaintMode.DRY_RUN:
@@ -138,9 +140,10 @@ class RuleWriter:
             log.warning("taint_dry_run", rule=name, device=t.device, uuid=t.uuid, effect=d.effect, reason=d.reason)
             return None
         seen = to_wall(self.clock, now if first is None else first)  # (the date a person reads)
-        annotations = {names.UUID_ANNOTATION: t.uuid, names.GPU_ANNOTATION: t.domain, names.SCOPE_ANNOTATION: scope,
+        annotations = {names.UUID_ANNOTATION: t.uuid, names.GPU_ANNOTATION: t.gpu, names.SCOPE_ANNOTATION: scope.value,
                        names.FIRST_SEEN_ANNOTATION: micro_time(seen), **self._record(d, fresh=True)}
-        spec = RuleSpec(name, t.driver, t.pool, t.device, f"{names.TAINT_DOMAIN}/{d.tier}", names.label_value(d.reason), d.effect,
+        spec = RuleSpec(name, t.driver, t.pool, t.device, f"{names.TAINT_DOMAIN}/{d.tier}", names.label_value(d.reason),
+                        d.effect,
                         self._labels(d.tier, d.sticky), annotations)
         try:
             created = self.api.create_rule(spec)
@@ -162,16 +165,18 @@ class RuleWriter:
         self.record.put(rule)
         if first is not None:
             self.latency.observe(max(0.0, self.clock.monotonic() - first))
-        log.warning("rule_created", rule=name, device=t.device, uuid=t.uuid, gpu=t.domain, effect=d.effect, tier=d.tier, reason=d.reason, suppressed=d.suppressed or None)
+        log.warning("rule_created", rule=name, device=t.device, uuid=t.uuid, gpu=t.gpu, effect=d.effect, tier=d.tier,
+                    reason=d.reason, suppressed=d.suppressed or None)
         return Outcome(t, "GPUTainted", name, "", d.effect, d.tier, d.reason, d.evidence)
 
-    def _patch(self, t: Target, rule: OwnedRule, d: Decision, now: float, fresh: bool, **also: object) -> bool:
+    def _patch(self, t: Target, rule: OwnedRule, d: Decision, now: float, fresh: bool, update: bool) -> bool:
         """Write ``d``'s effect, tier, reason, evidence and sticky mark onto the rule (one merge
         patch, same name and uid). False when the rule turned out to be gone."""
         annotations = self._record(d, fresh)
         # The sticky label only when newly marking: re-sending it would put back a label a person
         # removed since our last look (a merge patch without it leaves it be).
-        change = RuleChange(self._labels(d.tier, d.sticky and not rule.sticky), annotations, f"{names.TAINT_DOMAIN}/{d.tier}",
+        change = RuleChange(self._labels(d.tier, d.sticky and not rule.sticky), annotations,
+                            f"{names.TAINT_DOMAIN}/{d.tier}",
                             names.label_value(d.reason), d.effect)
         try:
             self.api.patch_rule(rule.name, change)
@@ -182,42 +187,45 @@ class RuleWriter:
                 self.on_gone(t.key, rule)
                 return False
             raise
-        self.record.change(
-            rule, tier=d.tier, reason=d.reason, evidence=d.evidence[:EVIDENCE_MAX], refreshed_at=now, sticky=rule.sticky or d.sticky,
-            reset_required=annotations[names.RESET_REQUIRED_ANNOTATION] == "true", boot_id=annotations.get(names.BOOT_ID_ANNOTATION, rule.boot_id), **also,
-        )
+        self.record.wrote(rule, tier=d.tier, reason=d.reason, evidence=d.evidence, sticky=d.sticky, at=now,
+                          effect=d.effect if update else None,
+                          reset_required=annotations[names.RESET_REQUIRED_ANNOTATION] == "true",
+                          boot_id=annotations.get(names.BOOT_ID_ANNOTATION, rule.boot_id))
         return True
 
     def refresh(self, t: Target, rule: OwnedRule, d: Decision, now: float) -> Outcome | None:
         """Same effect, newer record. Told in an Event when it says something new to a person
         (another reason, the device turned sticky); evidence-only refreshes are not."""
         if rule.virtual:
-            self.record.change(rule, reason=d.reason, evidence=d.evidence[:EVIDENCE_MAX], sticky=rule.sticky or d.sticky, refreshed_at=now)
+            self.record.wrote(rule, tier=rule.tier, reason=d.reason, evidence=d.evidence, sticky=d.sticky, at=now)
             return None
         old_reason, was_sticky = rule.reason, rule.sticky
-        if not self._patch(t, rule, d, now, fresh=True):
+        if not self._patch(t, rule, d, now, fresh=True, update=False):
             return None
         self.actions[Action.REFRESH.value] += 1
         log.info("rule_refreshed", rule=rule.name, device=t.device, reason=d.reason, sticky=rule.sticky)
         if rule.sticky and not was_sticky:
             return Outcome(t, "GPUTaintSticky", rule.name, rule.effect, rule.effect, rule.tier, d.reason, d.evidence)
         if d.reason != old_reason:
-            return Outcome(t, "GPUTaintUpdated", rule.name, rule.effect, rule.effect, rule.tier, d.reason, d.evidence, why=old_reason or "unknown")
+            return Outcome(t, "GPUTaintUpdated", rule.name, rule.effect, rule.effect, rule.tier, d.reason, d.evidence,
+                           why=old_reason or "unknown")
         return None
 
     def update(self, t: Target, rule: OwnedRule, d: Decision, now: float) -> Outcome | None:
         raising = EFFECT_RANK.get(d.effect, 0) > EFFECT_RANK.get(rule.effect, 0)
         if rule.virtual:
-            self.record.change(rule, effect=d.effect, tier=d.tier, calm_since=None, reason=d.reason, evidence=d.evidence[:EVIDENCE_MAX], refreshed_at=now)
+            self.record.wrote(rule, tier=d.tier, reason=d.reason, evidence=d.evidence, sticky=False, at=now,
+                              effect=d.effect)
             self.actions["dry_run"] += 1
             log.warning("taint_dry_run", rule=rule.name, device=t.device, effect=d.effect)
             return None
         old = rule.effect
-        if not self._patch(t, rule, d, now, fresh=raising, effect=d.effect, calm_since=None):
+        if not self._patch(t, rule, d, now, fresh=raising, update=True):
             return None
         self.actions[Action.UPDATE.value] += 1
         log.warning("rule_updated", rule=rule.name, device=t.device, effect_from=old, effect_to=d.effect, tier=d.tier)
-        return Outcome(t, "GPUTaintEscalated" if raising else "GPUTaintSteppedDown", rule.name, old, d.effect, d.tier, d.reason, d.evidence)
+        return Outcome(t, "GPUTaintEscalated" if raising else "GPUTaintSteppedDown", rule.name, old, d.effect, d.tier,
+                       d.reason, d.evidence)
 
     def delete(self, t: Target, rule: OwnedRule, d: Decision) -> Outcome | None:
         if rule.virtual:
@@ -236,7 +244,7 @@ class RuleWriter:
         """One Event per fault domain and kind of change, regarding the domain's first rule."""
         by: dict[tuple[str, str], list[Outcome]] = {}
         for o in outcomes:
-            by.setdefault((o.target.domain, o.event), []).append(o)
+            by.setdefault((o.target.gpu, o.event), []).append(o)
         for (gpu, event), group in by.items():
             group.sort(key=lambda o: o.target.device)
             first = group[0]
@@ -254,12 +262,18 @@ class RuleWriter:
         return rules
 
     def adopted_event(self, rule: OwnedRule, how: str) -> None:
-        note = f"{rule.driver}/{rule.pool}/{rule.device} ({rule.uuid or 'unknown GPU'}): rule with effect {rule.effect} adopted: {how}"
+        note = (f"{rule.driver}/{rule.pool}/{rule.device} ({rule.uuid or 'unknown GPU'}): rule with effect "
+                f"{rule.effect} adopted: {how}")
         self.events.record(self.ref(rule.name), "GPUTaintAdopted", note, "Adopt")
+
+    def tell_suppressed(self, note: str) -> None:
+        """What was held back (:class:`Notices`), told on the Node."""
+        self.node_event("HealthRemediationSuppressed", note, "Taint", warning=True)
 
     def node_event(self, reason: str, note: str, action: str, warning: bool) -> None:
         if self.mode != TaintMode.DRY_RUN:
-            self.events.record({"apiVersion": "v1", "kind": "Node", "name": self.node}, reason, note, action, warning=warning)
+            self.events.record({"apiVersion": "v1", "kind": "Node", "name": self.node}, reason, note, action,
+                               warning=warning)
 
 
 def _untainted(what: str, ident: str, o: Outcome, hold: float) -> tuple[str, str, bool]:
@@ -270,13 +284,19 @@ def _untainted(what: str, ident: str, o: Outcome, hold: float) -> tuple[str, str
 
 # event -> (what, ident, first outcome, hold) -> (note, action, warning)
 _NOTES: Mapping[str, Callable[[str, str, Outcome, float], tuple[str, str, bool]]] = {
-    "GPUTainted": lambda w, i, o, h: (f"{w}{i} tainted {o.effect_to}: {o.tier} {o.reason}. {o.evidence}", "Taint", True),
-    "GPUTaintEscalated": lambda w, i, o, h: (f"{w}{i}: {o.effect_from} -> {o.effect_to} ({o.tier} {o.reason})".strip(), "Taint", True),
-    "GPUTaintSteppedDown": lambda w, i, o, h: (f"{w}{i}: {o.effect_from} -> {o.effect_to} ({o.tier} {o.reason})".strip(), "Taint", False),
+    "GPUTainted": lambda w, i, o, h: (f"{w}{i} tainted {o.effect_to}: {o.tier} {o.reason}. {o.evidence}", "Taint",
+                                      True),
+    "GPUTaintEscalated": lambda w, i, o, h: (f"{w}{i}: {o.effect_from} -> {o.effect_to} ({o.tier} {o.reason})".strip(),
+                                             "Taint", True),
+    "GPUTaintSteppedDown": lambda w, i, o, h: (
+        f"{w}{i}: {o.effect_from} -> {o.effect_to} ({o.tier} {o.reason})".strip(), "Taint", False),
     "GPUTaintSticky": lambda w, i, o, h: (
-        f"{w}{i} failed too often: rule {o.effect_to} stays until a person deletes it or removes its label {names.STICKY_LABEL}", "Taint", True),
-    "GPUTaintUpdated": lambda w, i, o, h: (f"{w}{i} still {o.effect_to}: reason {o.why} -> {o.reason}. {o.evidence}", "Taint", False),
-    "HardwareSwapDetected": lambda w, i, o, h: (f"{w}: the rule named GPU {o.evidence}, the device is now {o.target.uuid}; rule removed", "Untaint", False),
+        f"{w}{i} failed too often: rule {o.effect_to} stays until a person deletes it or removes its label "
+        f"{names.STICKY_LABEL}", "Taint", True),
+    "GPUTaintUpdated": lambda w, i, o, h: (f"{w}{i} still {o.effect_to}: reason {o.why} -> {o.reason}. {o.evidence}",
+                                           "Taint", False),
+    "HardwareSwapDetected": lambda w, i, o, h: (
+        f"{w}: the rule named GPU {o.evidence}, the device is now {o.target.uuid}; rule removed", "Untaint", False),
     "GPUUntainted": _untainted,
 }
 
