@@ -142,12 +142,12 @@ def test_the_amd_drivers_taints_and_foreign_rules_are_no_health_no_budget_and_no
 def test_the_record_of_owned_rules_never_adopts_a_rule_without_the_agents_label():
     """Belt and braces behind the label-selected feeds: a foreign rule handed to the record (a
     feed misconfigured, a selector dropped) is not adopted; the agent's own is."""
-    from exporter.k8s.taintrules import StoredRule
+    from exporter.k8s.taintrules import TaintRule
     from exporter.remediation.record import OwnedRules
 
     record = OwnedRules()
-    theirs = StoredRule(name=f"maintenance-{NODE}-gpu-1", uid="u1", driver=AMD, pool=NODE, device="gpu-1-spx-nps1", effect="NoExecute", ours=False)
-    mine = StoredRule(name=f"dra-gpu-exporter-{NODE}-gpu-1-0-abc", uid="u2", driver=AMD, pool=NODE, device="gpu-1-0", effect="NoSchedule", ours=True,
+    theirs = TaintRule(name=f"maintenance-{NODE}-gpu-1", uid="u1", driver=AMD, pool=NODE, device="gpu-1-spx-nps1", effect="NoExecute", ours=False)
+    mine = TaintRule(name=f"dra-gpu-exporter-{NODE}-gpu-1-0-abc", uid="u2", driver=AMD, pool=NODE, device="gpu-1-0", effect="NoSchedule", ours=True,
                       tier="degraded")
     sync = record.sync([theirs, mine], lags=False, now=0.0)
     assert [r.name for r in sync.adopted] == [mine.name] and [r.name for r in record.values()] == [mine.name]

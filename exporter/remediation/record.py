@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ..health.model import Scope
 from ..k8s.model import DeviceKey
-from ..k8s.taintrules import StoredRule
+from ..k8s.taintrules import TaintRule
 from .contract import Effect, TaintRuleView
 
 EVIDENCE_MAX = 1024  # characters of evidence kept in the rule's annotation
@@ -51,7 +51,7 @@ class OwnedRule:
         return (self.driver, self.pool, self.device)
 
 
-def owned_from_stored(s: StoredRule) -> OwnedRule:
+def owned_from_stored(s: TaintRule) -> OwnedRule:
     return OwnedRule(
         name=s.name, driver=s.driver, pool=s.pool, device=s.device, uuid=s.uuid, effect=s.effect, tier=s.tier,
         reason=s.reason, evidence=s.evidence, sticky=s.sticky, uid=s.uid, managed=s.managed, gpu=s.gpu,
@@ -132,7 +132,7 @@ class OwnedRules:
         with self._lock:
             return self._rules.pop(key, None)
 
-    def sync(self, found: Iterable[StoredRule], lags: bool, now: float) -> Sync:
+    def sync(self, found: Iterable[TaintRule], lags: bool, now: float) -> Sync:
         """Bring the record in line with the cluster's rules for this node. ``lags``: the view
         comes from a watch, which may not show a rule created moments ago yet."""
         out = Sync()

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 
@@ -37,9 +37,8 @@ from ..clock import Clock, to_wall
 from ..health.model import DeviceHealth, Scope, Tier
 from ..k8s import names
 from ..k8s.connection import ApiError
-from ..k8s.events import micro_time
 from ..k8s.model import DeviceKey
-from ..k8s.taintrules import RuleChange, RuleSpec
+from ..k8s.taintrules import TaintRule
 from ..reasons import Suppression, TaintMode
 from .contract import Action, EventSink, Histogram, RuleApi, Target
 from .plan import EFFECT_RANK, Decision
@@ -78,26 +77,14 @@ class RuleWriter:
         self.actions: Counter[str] = Counter()
         self.latency = Histogram()
 
-    def _labels(self, tier: str, sticky: bool) -> dict[str, str]:
-        labels = {names.MANAGED_BY: names.MANAGED_BY_VALUE, names.NODE_LABEL: self.node, names.TIER_LABEL: tier}
-        if sticky:
-            # Only ever added by the agent; taking it off (or deleting the rule) is the person's
-            # "cleared", so patches never remove it.
-            labels[names.STICKY_LABEL] = "true"
-        return labels
-
-    def _record(self, d: Decision, fresh: bool) -> dict[str, str]:
-        """The annotations a write sets about the fault. ``fresh``: new evidence (the boot is
-        this one); otherwise a step-down, whose reset has been seen."""
-        out = {
-            names.REASON_ANNOTATION: d.reason,
-            names.EVIDENCE_ANNOTATION: d.evidence[:EVIDENCE_MAX],
-            names.TIER_ANNOTATION: d.tier,
-            names.RESET_REQUIRED_ANNOTATION: "true" if fresh and d.tier == Tier.FATAL.value else "false",
-        }
-        if fresh and self.boot_id:
-            out[names.BOOT_ID_ANNOTATION] = self.boot_id
-        return out
+    def _rule(self, name: str, t: Target, d: Decision, fresh: bool) -> TaintRule:
+        """The rule a write leaves: ``d``'s effect, tier, reason and evidence. ``fresh``: new
+        evidence (a fatal fault requires a reset; the boot is this one); otherwise a step-down,
+        whose reset has been seen."""
+        return TaintRule(
+            name=name, uid="", driver=t.driver, pool=t.pool, device=t.device, effect=d.effect, ours=True, tier=d.tier,
+            reason=d.reason, evidence=d.evidence[:EVIDENCE_MAX], reset_required=fresh and d.tier == Tier.FATAL.value,
+            boot_id=self.boot_id if fresh else "", node=self.node)
 
     @staticmethod
     def first_seen(h: DeviceHealth, tier: str) -> float | None:
@@ -140,13 +127,10 @@ class RuleWriter:
             log.warning("taint_dry_run", rule=name, device=t.device, uuid=t.uuid, effect=d.effect, reason=d.reason)
             return None
         seen = to_wall(self.clock, now if first is None else first)  # (the date a person reads)
-        annotations = {names.UUID_ANNOTATION: t.uuid, names.GPU_ANNOTATION: t.gpu, names.SCOPE_ANNOTATION: scope.value,
-                       names.FIRST_SEEN_ANNOTATION: micro_time(seen), **self._record(d, fresh=True)}
-        spec = RuleSpec(name, t.driver, t.pool, t.device, f"{names.TAINT_DOMAIN}/{d.tier}", names.label_value(d.reason),
-                        d.effect,
-                        self._labels(d.tier, d.sticky), annotations)
+        wanted = replace(self._rule(name, t, d, fresh=True), uuid=t.uuid, gpu=t.gpu, scope=scope.value, sticky=d.sticky,
+                         first_seen=seen)
         try:
-            created = self.api.create_rule(spec)
+            created = self.api.create_rule(wanted)
             self.actions[Action.CREATE.value] += 1
         except ApiError as e:
             if e.status != 409:
@@ -172,14 +156,11 @@ class RuleWriter:
     def _patch(self, t: Target, rule: OwnedRule, d: Decision, now: float, fresh: bool, update: bool) -> bool:
         """Write ``d``'s effect, tier, reason, evidence and sticky mark onto the rule (one merge
         patch, same name and uid). False when the rule turned out to be gone."""
-        annotations = self._record(d, fresh)
-        # The sticky label only when newly marking: re-sending it would put back a label a person
-        # removed since our last look (a merge patch without it leaves it be).
-        change = RuleChange(self._labels(d.tier, d.sticky and not rule.sticky), annotations,
-                            f"{names.TAINT_DOMAIN}/{d.tier}",
-                            names.label_value(d.reason), d.effect)
+        written = self._rule(rule.name, t, d, fresh)
+        if not written.boot_id:
+            written = replace(written, boot_id=rule.boot_id)  # (a step-down keeps the boot it was recorded under)
         try:
-            self.api.patch_rule(rule.name, change)
+            self.api.patch_rule(written, mark_sticky=d.sticky and not rule.sticky)
         except ApiError as e:
             if e.status == 404:
                 log.warning("rule_deleted_by_someone_else", rule=rule.name, device=rule.device)
@@ -189,8 +170,7 @@ class RuleWriter:
             raise
         self.record.wrote(rule, tier=d.tier, reason=d.reason, evidence=d.evidence, sticky=d.sticky, at=now,
                           effect=d.effect if update else None,
-                          reset_required=annotations[names.RESET_REQUIRED_ANNOTATION] == "true",
-                          boot_id=annotations.get(names.BOOT_ID_ANNOTATION, rule.boot_id))
+                          reset_required=written.reset_required, boot_id=written.boot_id)
         return True
 
     def refresh(self, t: Target, rule: OwnedRule, d: Decision, now: float) -> Outcome | None:
