@@ -63,7 +63,9 @@ class Outcome:
     tier: str = ""
     reason: str = ""
     evidence: str = ""
-    why: str = ""
+    why: str = ""  # a deletion's: recovered | hardware_swap | device_gone
+    old_reason: str = ""  # GPUTaintUpdated: the reason the rule named before
+    old_uuid: str = ""  # HardwareSwapDetected: the GPU the rule was written for
 
 
 class RuleWriter:
@@ -188,7 +190,7 @@ class RuleWriter:
             return Outcome(t, "GPUTaintSticky", rule.name, rule.effect, rule.effect, rule.tier, d.reason, d.evidence)
         if d.reason != old_reason:
             return Outcome(t, "GPUTaintUpdated", rule.name, rule.effect, rule.effect, rule.tier, d.reason, d.evidence,
-                           why=old_reason or "unknown")
+                           old_reason=old_reason or "unknown")
         return None
 
     def update(self, t: Target, rule: OwnedRule, d: Decision, now: float) -> Outcome | None:
@@ -217,7 +219,8 @@ class RuleWriter:
         self.actions[Action.DELETE.value] += 1
         log.warning("rule_deleted", rule=rule.name, device=t.device, why=d.why)
         event = "HardwareSwapDetected" if d.why == "hardware_swap" else "GPUUntainted"
-        return Outcome(t, event, rule.name, rule.effect, "", rule.tier, rule.reason, rule.uuid, d.why)
+        return Outcome(t, event, rule.name, rule.effect, "", rule.tier, rule.reason, rule.evidence, d.why,
+                       old_uuid=rule.uuid)
 
     # -- Events ------------------------------------------------------------------------------
     def tell(self, outcomes: list[Outcome]) -> None:
@@ -273,10 +276,10 @@ _NOTES: Mapping[str, Callable[[str, str, Outcome, float], tuple[str, str, bool]]
     "GPUTaintSticky": lambda w, i, o, h: (
         f"{w}{i} failed too often: rule {o.effect_to} stays until a person deletes it or removes its label "
         f"{names.STICKY_LABEL}", "Taint", True),
-    "GPUTaintUpdated": lambda w, i, o, h: (f"{w}{i} still {o.effect_to}: reason {o.why} -> {o.reason}. {o.evidence}",
-                                           "Taint", False),
+    "GPUTaintUpdated": lambda w, i, o, h: (
+        f"{w}{i} still {o.effect_to}: reason {o.old_reason} -> {o.reason}. {o.evidence}", "Taint", False),
     "HardwareSwapDetected": lambda w, i, o, h: (
-        f"{w}: the rule named GPU {o.evidence}, the device is now {o.target.uuid}; rule removed", "Untaint", False),
+        f"{w}: the rule named GPU {o.old_uuid}, the device is now {o.target.uuid}; rule removed", "Untaint", False),
     "GPUUntainted": _untainted,
 }
 
