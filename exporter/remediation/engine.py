@@ -94,8 +94,8 @@ class Remediator:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards the snapshot handed in and the published report
         self._report = RemediationReport(mode=policy.mode.value)
-        self._retry_at, self._backoff = 0.0, Backoff(0.5,
-                                                     30.0)  # between failed passes; a 429's Retry-After is honoured
+        # between failed passes; a 429's Retry-After is honoured
+        self._retry_at, self._backoff = 0.0, Backoff(0.5, 30.0)
         health.subscribe(lambda uuid: self.poke())
         budget.subscribe(self.poke)
 
@@ -223,8 +223,8 @@ class Remediator:
     def active(self) -> bool:
         """Whether a fault on this node gets a DeviceTaintRule now: a writing mode, the API
         served, the node's kill switch off."""
-        return self.policy.mode in (TaintMode.SHADOW,
-                                    TaintMode.ENFORCE) and self.api_served is True and not self.sync.kill_switch
+        writing = self.policy.mode in (TaintMode.SHADOW, TaintMode.ENFORCE)
+        return writing and self.api_served is True and not self.sync.kill_switch
 
     def _publish(self) -> None:
         """Take the report on the remediation thread, between writes: every part of it is of the

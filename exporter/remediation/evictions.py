@@ -175,8 +175,8 @@ class EvictionWatch:
         tolerated = ""
         dev = claim.device(rule.driver, rule.pool, rule.device) if claim is not None else None
         key, value = f"{names.TAINT_DOMAIN}/{rule.tier}", names.label_value(rule.reason)
-        matching = [t for t in (dev.tolerations if dev is not None else ()) if t.tolerates(key, value,
-            Effect.NO_EXECUTE.value)]
+        tolerations = dev.tolerations if dev is not None else ()
+        matching = [t for t in tolerations if t.tolerates(key, value, Effect.NO_EXECUTE.value)]
         if matching:
             # as the eviction controller counts: the shortest tolerationSeconds of the matching
             # tolerations; for ever only when none of them has one

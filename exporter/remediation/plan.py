@@ -118,8 +118,8 @@ def decide(
     # A rule keeps naming the condition it was written for while that condition holds: one more
     # condition of the same tier is no news for the rule (gpu_health_condition shows it), and
     # following the sort order instead would rewrite the rule with every condition that comes.
-    worst = next((c for c in candidates if rule is not None and c.reason == rule.reason),
-                 None) or next(iter(candidates), None)
+    kept = next((c for c in candidates if rule is not None and c.reason == rule.reason), None)
+    worst = kept or next(iter(candidates), None)
     reason = worst.reason if worst else ""
     evidence = worst.evidence if worst else ""
     # Sticky until a person clears it: the health engine's verdict, or the label on the rule
@@ -143,8 +143,8 @@ def decide(
         limited, suppressed = effect, ""
     else:
         limited, suppressed = _limit(effect, safety)
-        if rule is not None and limited is not None and EFFECT_RANK[limited] < EFFECT_RANK.get(rule.effect,
-            0) <= EFFECT_RANK[effect]:
+        has = EFFECT_RANK.get(rule.effect, 0) if rule is not None else -1
+        if rule is not None and limited is not None and EFFECT_RANK[limited] < has <= EFFECT_RANK[effect]:
             # A limit caps a raise; it must not lower what the rule already has (a fatal
             # device keeps its NoSchedule while the NoExecute budget is used up).
             limited = rule.effect

@@ -62,8 +62,8 @@ class GpuDevices:
 
 def targets(published: Iterable[PublishedDevice]) -> list[Target]:
     """Every published device that resolves to a local device, with its fault domain."""
-    return [Target(driver=p.driver, pool=p.pool, device=p.device, uuid=p.uuid,
-                   gpu=p.gpu or p.uuid) for p in published if p.uuid]
+    return [Target(driver=p.driver, pool=p.pool, device=p.device, uuid=p.uuid, gpu=p.gpu or p.uuid)
+            for p in published if p.uuid]
 
 
 def group(ts: list[Target]) -> list[GpuDevices]:
@@ -73,10 +73,10 @@ def group(ts: list[Target]) -> list[GpuDevices]:
         by.setdefault(t.gpu, []).append(t)
     return [GpuDevices(gpu=g, targets=tuple(sorted(v, key=lambda t: t.key))) for g, v in sorted(by.items())]
 
+
 class Reconciler:
     def __init__(self, policy: RemediationPolicy, record: OwnedRules, rails: SafetyRails, writer: RuleWriter,
-                 notices: Notices,
-                 refusals: Refusals, admin: AdminMemory) -> None:
+                 notices: Notices, refusals: Refusals, admin: AdminMemory) -> None:
         self.policy, self.record, self.rails, self.writer = policy, record, rails, writer
         self.notices, self.refusals, self.admin = notices, refusals, admin
         self.pending: dict[str, list[Outcome]] = {}  # a domain's writes not yet told (pass failed midway)
@@ -163,8 +163,8 @@ class Reconciler:
             return  # refused before; asking again on every pass would only be refused again
         what = Suppression(d.suppressed) if d.suppressed and d.suppressed != ADMIN_DELETED else None
         # (node-wide and budget-unreadable episodes are told once for the node, with their cause)
-        if what is not None and what not in (Suppression.NODE_FAULT,
-                                             Suppression.BUDGET_UNAVAILABLE) and d.action != Action.DELETE:
+        node_wide = (Suppression.NODE_FAULT, Suppression.BUDGET_UNAVAILABLE)
+        if what is not None and what not in node_wide and d.action != Action.DELETE:
             state = h.worst.value if h.worst else "healthy"
             limit = what.value.replace("_", " ")
             self.notices.announce(t.key, what, f"{t.device}: {limit} limits remediation of {state} device {t.uuid}")

@@ -105,8 +105,7 @@ class OwnedRules:
             rule.gone_since = since
 
     def wrote(self, rule: OwnedRule, *, tier: str, reason: str, evidence: str, sticky: bool, at: float,
-              effect: str | None = None,
-              reset_required: bool | None = None, boot_id: str | None = None) -> None:
+              effect: str | None = None, reset_required: bool | None = None, boot_id: str | None = None) -> None:
         """What a write put on the rule (a dry-run rule: what it would have put), under the lock:
         views never see half a change. An update (``effect``) starts a new calm period."""
         with self._lock:
