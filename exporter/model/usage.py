@@ -537,6 +537,11 @@ class UsageAccountant:
         self._elapsed = 0.0
         self._layouts: tuple[_Layout, _Layout] | None = None  # claims', pods'
 
+    @property
+    def retained_series(self) -> int:
+        """Series of gone holders kept now (2 per claim, 2 per pod): at most ``max_series``."""
+        return 2 * self._kept
+
     def update(self, snap: Snapshot, process_memory: ProcessMemory | None = None) -> Usage:
         now = snap.monotonic
         prev = self._prev_t
