@@ -1,7 +1,7 @@
 """The benchmark command keeps working: `bench/run.py --quick` runs every benchmark at tiny sizes.
 
-No numbers are judged here (performance lives in bench/ and the README); this only proves the
-documented command runs end to end and reports every measurement the README's table quotes.
+No numbers are judged here (performance lives in bench/ and docs/performance.md); this only proves the
+documented command runs end to end and reports every measurement docs/performance.md's table quotes.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def test_quick_benchmark_run_reports_every_measurement(tmp_path: Path) -> None:
     assert churn["jobs_held_two_intervals"] > 0 and churn["jobs_never_billed"] == 0
     assert 0 < churn["retained_series_max"] <= churn["cap_series"] and churn["cpu_per_cycle_before_ms"] > 0
     assert r["machine"]["quick"] is True
-    # the printed table names each part (the README quotes this output)
+    # the printed table names each part (docs/performance.md quotes this output)
     assert "scrape:" in done.stdout and "soak, agent alone" in done.stdout and "cycle, agent alone" in done.stdout
 
 
