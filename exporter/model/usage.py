@@ -564,24 +564,28 @@ class UsageAccountant:
                 g = gpus[uuid] = _Gpu()
             r = devices[i].reading
             ok = r is not None and r.ok
+            e = r.energy_joules if ok else None
+            moved = e is not None and e >= 0.0 and e != g.mark
             if advance:
                 p = r.power_watts if ok else None
                 if p is not None and p >= 0.0 and not math.isinf(p):  # NaN fails the >=
                     g.power = p
-                if g.mark is not None and dt > 0.0:
+                # an interval the counter covers alone needs no entry: the increase is all its
+                if g.mark is not None and dt > 0.0 and (g.window or not moved):
                     w = g.window
                     if w and w[-1][0] is g.coef:
                         w[-1][1] += dt
                         w[-1][2] += dt * g.power
                     else:
                         w.append([g.coef, dt, dt * g.power])
-            e = r.energy_joules if ok else None
-            if e is not None and e >= 0.0 and e != g.mark:
+            if moved:
                 if g.mark is None:
                     changed = True  # the first reading: a mark to count from (and a new source)
                 else:
                     self._settle(g, e - g.mark if e > g.mark else e, credits)
-                g.mark, g.since, g.window = e, now, []
+                g.mark, g.since = e, now
+                if g.window:
+                    g.window = []
             elif g.mark is not None and now - g.since > self.retention:
                 g.mark, g.window = None, []  # not moved for a whole retention: give it up
                 changed = True
@@ -610,21 +614,28 @@ class UsageAccountant:
 
     def _settle(self, g: _Gpu, delta: float, credits: list[tuple[Coefficients, float]]) -> None:
         """Split a counter's increase over the intervals it covers (see the module doc)."""
-        window = g.window or [[g.coef, 0.0, 0.0]]  # no time passed: the last holders'
+        window = g.window
+        if not window:  # one interval (or none: no time passed): the last holders'
+            self._take(g, g.coef, delta, credits)
+            return
         col = 2 if sum(x[2] for x in window) > 0.0 else 1
         total = sum(x[col] for x in window)
         left = delta
-        for n, (coef, *sizes) in enumerate(window):
+        for n, entry in enumerate(window):
             # the last part is what is left, so the parts add up to the increase exactly
-            part = left if n == len(window) - 1 else delta * sizes[col - 1] / total if total > 0.0 else 0.0
-            part = min(max(part, 0.0), left)
+            part = left if n == len(window) - 1 else min(left, delta * entry[col] / total)
             left -= part
-            if coef is g.planned:
-                self._amounts[g.slot] += part
-            elif coef[2] > 0.0:
-                credits.append((coef, part))
-            self._integrated += part
-            self._unattributed += part - part * coef[2]
+            self._take(g, entry[0], part, credits)
+
+    def _take(self, g: _Gpu, coef: Coefficients, part: float, credits: list[tuple[Coefficients, float]]) -> None:
+        """An interval's part of an increase, to its holders: summed in the GPU's plan column
+        while they are the plan's, else credited at the next replan."""
+        if coef is g.planned:
+            self._amounts[g.slot] += part
+        elif coef[2] > 0.0:
+            credits.append((coef, part))
+        self._integrated += part
+        self._unattributed += part - part * coef[2]
 
     def _due(self, now: float) -> bool:
         """Whether a gone holder's totals became final or a kept one expires."""
