@@ -10,6 +10,7 @@ the integrated device energy.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Iterable
@@ -235,6 +236,15 @@ def test_a_clock_step_back_counts_no_time_and_the_last_holders_keep_the_interval
     assert u.claims.get(("ml", "first")) == (0.0, 20.0) and u.claims.get(("ml", "second")) == (0.0, 0.0)
     u = acc.update(snap(30, b))
     assert u.claims.get(("ml", "first")) == (0.0, 20.0) and u.claims.get(("ml", "second")) == (0.0, 10.0)
+
+
+def test_a_wall_clock_step_moves_no_bill_and_no_retention():
+    # the wall clock steps +1 h, then +1 day, then -1 h; monotonic time runs on
+    acc = UsageAccountant(retention=600.0)
+    a = (dra("ml", "a", "train", G0.uuid),)
+    for t, wall, allocs in ((0, 0, a), (10, 3600, a), (20, 86_400, ()), (25, -3600, ())):
+        u = acc.update(dataclasses.replace(snap(t, allocs, {G0.uuid: 100.0 * t}), timestamp=1e9 + t + wall))
+    assert u.claims.get(("ml", "train")) == (2000.0, 20.0)  # still kept, 20 s held
 
 
 def test_gone_holders_are_capped_in_a_churn_storm():
