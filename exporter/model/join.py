@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ..devices.model import DeviceIdentity, DeviceReading
+from ..devices.model import DeviceIdentity, DeviceReading, Vendor
 from ..health.model import DeviceHealth, Scope
 from ..k8s.model import AllocatedDevice, ClaimInfo, PodInfo, SliceDevice
 from ..k8s.resolve import AMD_DRIVER, NVIDIA_DRIVER, DeviceIndex, Resolution, resolve, resolve_device_plugin
@@ -82,6 +82,7 @@ class _Structure:
     claims: tuple[ClaimGroup, ...]  # sorted
     unresolved: dict[str, int]
     published: tuple[PublishedDevice, ...] = ()
+    unpublished: dict[str, int] | None = None
 
 
 class JoinMemo:
@@ -128,6 +129,7 @@ def join(inp: JoinInputs, memo: JoinMemo | None = None) -> Snapshot:
         pod_labels={k: dict(v) for k, v in (inp.pod_labels or {}).items()},
         pod_uids={p.uid: (p.namespace, p.name) for p in inp.pods if p.uid},
         published=structure.published if inp.slices is not None else None,
+        unpublished=dict(structure.unpublished or {}) if inp.slices is not None else {},
     )
 
 
@@ -179,11 +181,13 @@ def _structure(
 
     # Claim metrics are about GPUs: a NIC in a GPU+NIC claim is not one of its devices, and a
     # claim holding no GPU at all (a compute-domain channel, say) is not exported.
+    published = _published(slices, index)
     return _Structure(
         rows=tuple(rows),
         claims=_claim_groups(r for r in rows if r.driver in gpu_drivers),
         unresolved=_unresolved_counts(slices, unresolved, gpu_drivers, _plugin_gpu_resources(rows)),
-        published=_published(slices, index),
+        published=published,
+        unpublished=_unpublished(published, identities),
     )
 
 
@@ -194,12 +198,31 @@ def _published(slices: Mapping[DeviceKey, SliceDevice], index: DeviceIndex) -> t
     for key, dev in sorted(slices.items()):
         res = resolve(key, dev, None, index)
         if not res.ok:
-            out.append(PublishedDevice(*key, "", ""))
+            out.append(PublishedDevice(*key, "", "", dev.taints))
             continue
         ident = index.by_uuid.get(res.uuid)
         # a DynamicMIG partition resolves to its GPU itself (res.uuid == parent_uuid)
-        out.append(PublishedDevice(*key, res.uuid, res.parent_uuid or (ident.physical_uuid if ident is not None else res.uuid)))
+        gpu = res.parent_uuid or (ident.physical_uuid if ident is not None else res.uuid)
+        out.append(PublishedDevice(*key, res.uuid, gpu, dev.taints))
     return tuple(out)
+
+
+_VENDOR_DRIVERS = {Vendor.NVIDIA: NVIDIA_DRIVER, Vendor.AMD: AMD_DRIVER}
+
+
+def _unpublished(published: tuple[PublishedDevice, ...], identities: tuple[DeviceIdentity, ...]) -> dict[str, int]:
+    """Per GPU driver, the physical GPUs the library sees that no device of this driver's slices
+    lives on (the GPU itself, a MIG device or partition of it): invisible to the scheduler. A
+    GPU in MIG mode whose MIG devices are published is published; 0 for a driver with none."""
+    held = {(p.driver, p.gpu) for p in published if p.gpu}
+    out: dict[str, set[str]] = {}
+    for i in identities:
+        drv = _VENDOR_DRIVERS.get(i.vendor)
+        if drv is not None:
+            gpus = out.setdefault(drv, set())
+            if (drv, i.physical_uuid) not in held:
+                gpus.add(i.physical_uuid)
+    return {drv: len(gpus) for drv, gpus in sorted(out.items())}
 
 
 # Device-plugin resources that are GPUs by name. Others on a GPU node (RDMA, SR-IOV NICs,
