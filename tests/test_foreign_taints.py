@@ -134,6 +134,8 @@ def test_the_amd_drivers_taints_and_foreign_rules_are_no_health_no_budget_and_no
             shown = sorted((s.labels["device"], s.labels["key"], s.labels["value"], s.labels["effect"], s.labels["source"])
                            for s in samples if s.name == "dra_device_taint_info")
             assert shown == sorted((d, TAINT_KEY, "nps1", "NoExecute", AMD) for d in tainted)
+            # both GPUs published (GPU 0 through its partition devices)
+            assert [(s.labels["driver"], s.value) for s in samples if s.name == "dra_unpublished_devices"] == [(AMD, 0)]
             assert not rem.rails.raised and not rem.record.noexecute_units()
             assert api.get("", "configmaps", "dra-gpu-exporter-budget", "dra-gpu-exporter")["data"] == budget_before["data"]
             # the foreign rules untouched (same object, same resourceVersion), none deleted, none added

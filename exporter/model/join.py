@@ -13,10 +13,10 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ..devices.model import DeviceIdentity, DeviceReading, Vendor
+from ..devices.model import DeviceIdentity, DeviceReading, Vendor, normalize_pci_bus_id
 from ..health.model import DeviceHealth, Scope
 from ..k8s.model import AllocatedDevice, ClaimInfo, PodInfo, SliceDevice
-from ..k8s.resolve import AMD_DRIVER, NVIDIA_DRIVER, DeviceIndex, Resolution, resolve, resolve_device_plugin
+from ..k8s.resolve import AMD_DRIVER, NVIDIA_DRIVER, PCI_BUS_ID_ATTR, DeviceIndex, Resolution, resolve, resolve_device_plugin
 from ..kubelet.model import AllocationSource, ContainerAllocation
 from .snapshot import AllocationView, ClaimView, DeviceView, PublishedDevice, Snapshot
 
@@ -187,7 +187,7 @@ def _structure(
         claims=_claim_groups(r for r in rows if r.driver in gpu_drivers),
         unresolved=_unresolved_counts(slices, unresolved, gpu_drivers, _plugin_gpu_resources(rows)),
         published=published,
-        unpublished=_unpublished(published, identities),
+        unpublished=_unpublished(slices, published, identities),
     )
 
 
@@ -210,19 +210,23 @@ def _published(slices: Mapping[DeviceKey, SliceDevice], index: DeviceIndex) -> t
 _VENDOR_DRIVERS = {Vendor.NVIDIA: NVIDIA_DRIVER, Vendor.AMD: AMD_DRIVER}
 
 
-def _unpublished(published: tuple[PublishedDevice, ...], identities: tuple[DeviceIdentity, ...]) -> dict[str, int]:
+def _unpublished(
+    slices: Mapping[DeviceKey, SliceDevice], published: tuple[PublishedDevice, ...], identities: tuple[DeviceIdentity, ...]
+) -> dict[str, int]:
     """Per GPU driver, the physical GPUs the library sees that no device of this driver's slices
     lives on (the GPU itself, a MIG device or partition of it): invisible to the scheduler. A
-    GPU in MIG mode whose MIG devices are published is published; 0 for a driver with none."""
-    held = {(p.driver, p.gpu) for p in published if p.gpu}
-    out: dict[str, set[str]] = {}
+    GPU in MIG mode whose MIG devices are published is published; 0 for a driver with none. A
+    device the resolver cannot pin to one partition (AMD's AutoPartition devices of a GPU in CPX)
+    still names its GPU by PCI address: that GPU is published."""
+    held = {(p.driver, p.gpu) for p in published}
+    held |= {(d.driver, normalize_pci_bus_id(pci)) for d in slices.values() if isinstance(pci := d.attr(PCI_BUS_ID_ATTR), str) and pci}
+    seen: dict[tuple[str, str], bool] = {}
     for i in identities:
-        drv = _VENDOR_DRIVERS.get(i.vendor)
-        if drv is not None:
-            gpus = out.setdefault(drv, set())
-            if (drv, i.physical_uuid) not in held:
-                gpus.add(i.physical_uuid)
-    return {drv: len(gpus) for drv, gpus in sorted(out.items())}
+        if (drv := _VENDOR_DRIVERS.get(i.vendor)) is not None:
+            key = (drv, i.physical_uuid)
+            seen[key] = seen.get(key, False) or key in held or (drv, normalize_pci_bus_id(i.pci_bus_id)) in held
+    missing = [drv for (drv, _), ok in seen.items() if not ok]
+    return {drv: missing.count(drv) for drv in sorted({drv for drv, _ in seen})}
 
 
 # Device-plugin resources that are GPUs by name. Others on a GPU node (RDMA, SR-IOV NICs,
