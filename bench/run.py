@@ -633,7 +633,7 @@ def main() -> None:
         "xid": lambda: bench_xid(4 if a.quick else 200),
         "soak": lambda: bench_soak(a.cycles, a.cpu_seconds, dense=not a.quick),
         "series": bench_series,
-        "churn": lambda: bench_churn(*((24, 20.0) if a.quick else ())),
+        "churn": lambda: bench_churn(*((12, 10.0) if a.quick else ())),
     }
     unknown = [w for w in a.which if w not in fns]
     if unknown:
