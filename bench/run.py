@@ -525,9 +525,95 @@ def bench_series() -> None:
         node.stop()
 
 
+# --------------------------------------------------------------------------- churn
+
+
+def bench_churn(steps: int = 400, rate: float = 80.0, hold: float = 2.0, interval: float = 0.5, scrape_every: float = 2.0) -> None:
+    """A batch node that churns (issue 33): 8 GPUs, ``rate`` new jobs a second (a pod and a DRA
+    claim with new names each, drasim.churn), each holding a GPU for ``hold`` seconds, a cycle
+    every ``interval`` of simulated time driven by hand, a scrape every ``scrape_every``.
+    In one process with the kubelet and API emulations (their threads' CPU counts too): process
+    CPU per cycle (the cycle and its share of the scrapes) before and after the series cap
+    binds, series, RSS, cycles that took less than the interval, requests per new claim, and
+    the jobs that held a GPU for two intervals but were never billed."""
+    import re
+    import urllib.request
+
+    from drasim.churn import Churn
+    from drasim.node import SimulatedNode
+
+    sc = parse_scenario(eight_gpus())
+    clock = SimClock(1.0)
+    node = SimulatedNode(sc, clock, request_log_size=10_000_000, kubelet_qps=None)
+    node.start()
+    clock.pause()
+    agent = node.start_agent(interval=3600.0, taint_mode=TaintMode.OFF)
+    seconds = re.compile(r'^dra_claim_device_seconds_total\{claim="([^"]+)",namespace="batch"[^}]*\} ([0-9.e+-]+)$', re.M)
+    try:
+        deadline = time.monotonic() + 60
+        while not agent.src.get("slices").watcher.synced and time.monotonic() < deadline:
+            time.sleep(0.05)
+        acc = agent.out.usage
+        churn = Churn(node, per_step=max(1, round(rate * interval)), hold_steps=max(2, round(hold / interval)))
+        node.api.clear_requests()
+        rows, billed, rss0 = [], set(), _rss_mb()
+        every = max(1, round(scrape_every / interval))
+        for step in range(steps):
+            churn.step()
+            clock.advance_to(clock.now() + interval)
+            c0, w0 = time.process_time(), time.perf_counter()
+            agent.run_cycle()
+            wall = time.perf_counter() - w0
+            series = None
+            if step % every == every - 1:
+                with urllib.request.urlopen(agent.server.url + "/metrics", timeout=30) as resp:
+                    text = resp.read().decode()
+                series = sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+                billed.update(m.group(1) for m in seconds.finditer(text) if float(m.group(2)) > 0)
+            rows.append((time.process_time() - c0, wall, series, acc.retained_series))
+        bound = next((i for i, r in enumerate(rows) if r[3] >= acc.max_series * 0.98), None)
+        settle = max(1, steps // 10)
+        before = [r[0] for r in rows[settle:bound or steps // 2]]
+        after = [r[0] for r in rows[(bound or steps // 2) + settle:]]
+        reqs = [r for r in node.api.requests if not r.watch]
+        claims_n = len(churn.jobs)
+        held = [j for j in churn.jobs if j.left is not None and j.left - j.started >= 2]
+        lost = [j.claim for j in held if j.claim not in billed]
+        out = {
+            "steps": steps, "interval_s": interval, "claims_per_s": rate, "hold_s": hold, "new_claims": claims_n,
+            "cap_series": acc.max_series, "cap_bound_at_step": bound,
+            "cpu_per_cycle_before_ms": 1e3 * sum(before) / max(1, len(before)),
+            "cpu_per_cycle_after_ms": 1e3 * sum(after) / max(1, len(after)),
+            "series_max": max((r[2] for r in rows if r[2] is not None), default=0),
+            "retained_series_max": max(r[3] for r in rows),
+            "rss_start_mb": rss0, "rss_end_mb": _rss_mb(), "rss_peak_mb": _rss_mb("VmHWM"),
+            "cycles_on_time": sum(1 for r in rows if r[1] < interval) / len(rows),
+            "requests_per_new_claim": len(reqs) / max(1, claims_n),
+            "claim_requests_per_new_claim": sum(1 for r in reqs if "/resourceclaims" in r.path) / max(1, claims_n),
+            "jobs_held_two_intervals": len(held), "jobs_never_billed": len(lost),
+        }
+    finally:
+        node.stop()
+    RESULTS["churn"] = out
+    ratio = out["cpu_per_cycle_after_ms"] / max(1e-9, out["cpu_per_cycle_before_ms"])
+    print(f"\nchurn, in-process (8 GPUs, {rate:g} claims/s held {hold:g} s, cycle every {interval:g} s, scrape every {scrape_every:g} s, {steps} cycles):")
+    print(f"  CPU per cycle {out['cpu_per_cycle_before_ms']:.1f} ms before the cap binds (step {bound}), {out['cpu_per_cycle_after_ms']:.1f} ms after "
+          f"({ratio:.2f}x); series max {out['series_max']} (retained {out['retained_series_max']}, cap {out['cap_series']}); "
+          f"RSS {out['rss_start_mb']:.1f} -> {out['rss_end_mb']:.1f} MB (peak {out['rss_peak_mb']:.1f}); cycles shorter than the interval "
+          f"{100 * out['cycles_on_time']:.0f} %; API requests per new claim {out['requests_per_new_claim']:.2f} "
+          f"(claims {out['claim_requests_per_new_claim']:.2f}); jobs never billed {out['jobs_never_billed']} of {out['jobs_held_two_intervals']}")
+
+
+def _rss_mb(field: str = "VmRSS") -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="Benchmarks for docs/performance.md.")
-    ap.add_argument("which", nargs="*", metavar="BENCH", help="scrape, scrape-attack, cycle, gzip, nvml, xid, soak, series (default: all but scrape-attack)")
+    ap.add_argument("which", nargs="*", metavar="BENCH", help="scrape, scrape-attack, cycle, gzip, nvml, xid, soak, series, churn (default: all but scrape-attack)")
     ap.add_argument("--cycles", type=int, default=10000, help="soak: cycles between the two RSS readings")
     ap.add_argument("--requests", type=int, default=2000, help="scrape: requests per concurrency level")
     ap.add_argument("--cpu-seconds", type=float, default=30.0, help="soak: window for the CPU reading")
@@ -547,6 +633,7 @@ def main() -> None:
         "xid": lambda: bench_xid(4 if a.quick else 200),
         "soak": lambda: bench_soak(a.cycles, a.cpu_seconds, dense=not a.quick),
         "series": bench_series,
+        "churn": lambda: bench_churn(*((12, 10.0) if a.quick else ())),
     }
     unknown = [w for w in a.which if w not in fns]
     if unknown:

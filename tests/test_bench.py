@@ -48,6 +48,9 @@ def test_quick_benchmark_run_reports_every_measurement(tmp_path: Path) -> None:
     assert soak["devices"] == 8 and soak["cycles"] == 100 and len(soak["rss_marks_mb"]) == 5
     assert 0 < soak["rss_start_mb"] <= soak["peak_rss_mb"]
     assert r["series"]["lean (--exclude-metrics)"] < r["series"]["default"] < r["series"]["with pod labels"] < r["series"]["dcgm-compat labels"]
+    churn = r["churn"]  # every job of two intervals billed; the retained series under the cap
+    assert churn["jobs_held_two_intervals"] > 0 and churn["jobs_never_billed"] == 0
+    assert 0 < churn["retained_series_max"] <= churn["cap_series"] and churn["cpu_per_cycle_before_ms"] > 0
     assert r["machine"]["quick"] is True
     # the printed table names each part (docs/performance.md quotes this output)
     assert "scrape:" in done.stdout and "soak, agent alone" in done.stdout and "cycle, agent alone" in done.stdout
