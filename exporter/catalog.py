@@ -67,10 +67,10 @@ CATALOG: tuple[MetricDef, ...] = (
     _m("dra_claim_healthy", "gauge", "namespace,claim", "0 if any device of the claim is unhealthy"),
     # billing (exporter/model/usage.py; README "Billing model")
     _m("dra_claim_energy_joules_total", "counter", "namespace,claim", "Energy of the claim's share of its devices, integrated from the GPUs' energy counters (MIG: compute-slice part of the GPU; AMD partitions: 1/N)"),
-    _m("dra_claim_device_seconds_total", "counter", "namespace,claim", "Allocated device-time: seconds the claim held its devices, each weighted by its part of a physical GPU and split equally with other claims on the same device"),
+    _m("dra_claim_device_seconds_total", "counter", "namespace,claim", "Allocated device-time: seconds the claim held its devices, each weighted by its part of a physical GPU and split with other claims on the same device by consumed capacity where their allocations state it, else equally"),
     _m("dra_pod_energy_joules_total", "counter", "namespace,pod", "Energy of the pod's share of the devices it holds (through claims or the device plugin)"),
     _m("dra_pod_device_seconds_total", "counter", "namespace,pod", "Allocated device-time of the pod: its claims' device-seconds split equally between their pods, plus its device-plugin devices"),
-    _m("dra_pod_device_share_ratio", "gauge", "uuid,namespace,pod,rule", "The pod's share of a device's usage, memory and energy, 0..1 (a device's shares add up to 1); rule=per_process (by its processes' memory, --per-process) or equal (equally between the device's claims, then their pods)"),
+    _m("dra_pod_device_share_ratio", "gauge", "uuid,namespace,pod,rule", "The pod's share of a device's usage, memory and energy, 0..1 (a device's shares add up to 1); rule=per_process (by its processes' memory, --per-process), capacity (by the capacity each claim's allocation consumed of a device several claims share, KEP-5075, then equally between its pods) or equal (equally between the device's claims, then their pods)"),
     _m("dra_unresolved_devices", "gauge", "driver", "Allocated devices that could not be resolved to a local device; 0 for every driver of this node's ResourceSlices when all resolve"),
     _m("dra_pod_labels", "gauge", "namespace,pod,labels", "Allow-listed pod labels (--pod-label-allowlist), as label_<key> labels"),
     # remediation

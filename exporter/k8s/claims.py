@@ -272,7 +272,12 @@ class ClaimCache:
                 with self._lock:
                     self._answered += 1
                 if exc.status == 404:
-                    if self._forced_version is None and not self._group_version_still_served(version):
+                    # The API server's answer for a missing object names it (a Status whose
+                    # details.kind is the resource): the claim is gone, most often deleted with its
+                    # pod. Only a 404 that does not (a path no longer served) asks discovery.
+                    details = (exc.body or {}).get("details") or {}
+                    gone = isinstance(details, dict) and details.get("kind") == RESOURCE
+                    if not gone and self._forced_version is None and not self._group_version_still_served(version):
                         self._outage(keys[i:], f"{RESOURCE_GROUP}/{version} no longer served", None)
                         return
                     self._store(key, None, self.negative_ttl, error="not found")

@@ -82,6 +82,7 @@ class _Structure:
     claims: tuple[ClaimGroup, ...]  # sorted
     unresolved: dict[str, int]
     published: tuple[PublishedDevice, ...] = ()
+    consumed: dict[tuple[str, str, str], float] | None = None  # Snapshot.consumed
 
 
 class JoinMemo:
@@ -128,6 +129,7 @@ def join(inp: JoinInputs, memo: JoinMemo | None = None) -> Snapshot:
         pod_labels={k: dict(v) for k, v in (inp.pod_labels or {}).items()},
         pod_uids={p.uid: (p.namespace, p.name) for p in inp.pods if p.uid},
         published=structure.published if inp.slices is not None else None,
+        consumed=structure.consumed or {},
     )
 
 
@@ -147,6 +149,7 @@ def _structure(
     # with a device that resolved here. A node's other DRA drivers (NICs, NVIDIA's
     # compute-domain channels) allocate devices that are no GPU at all: not "unresolved".
     gpu_drivers = {NVIDIA_DRIVER, AMD_DRIVER}
+    consumed: dict[tuple[str, str, str], float] = {}
 
     for a in allocations:
         if a.source == AllocationSource.DRA:
@@ -156,6 +159,11 @@ def _structure(
                 claim = claims.get((a.claim_namespace, a.claim_name))
                 resolved[rkey] = resolve(key, slices.get(key), _allocated_from_claim(claim, key), index)
             res = resolved[rkey]
+            dev = slices.get(key)
+            if dev is not None and dev.multiple and res.ok and (res.uuid, a.namespace, a.claim_name) not in consumed:
+                amount = _consumed(dev, claims.get((a.claim_namespace, a.claim_name)))
+                if amount is not None:
+                    consumed[(res.uuid, a.namespace, a.claim_name)] = amount
             row = AllocationView(
                 driver=a.driver, pool=a.pool, device=a.device, uuid=res.uuid, namespace=a.namespace, pod=a.pod,
                 container=a.container, claim=a.claim_name, source="dra", method=res.method,
@@ -184,7 +192,20 @@ def _structure(
         claims=_claim_groups(r for r in rows if r.driver in gpu_drivers),
         unresolved=_unresolved_counts(slices, unresolved, gpu_drivers, _plugin_gpu_resources(rows)),
         published=_published(slices, index),
+        consumed=consumed,
     )
+
+
+def _consumed(dev: SliceDevice, claim: ClaimInfo | None) -> float | None:
+    """What a claim consumed of a device several claims share (KEP-5075 consumedCapacity): its
+    memory, else the first capacity the slice names that the allocation states; summed over the
+    claim's allocations of the device (one per shareID). None when the allocation states none."""
+    if claim is None:
+        return None
+    names = sorted(dev.capacity, key=lambda n: (not n.endswith("/memory"), n))
+    allocs = [d.consumed for d in claim.devices if (d.driver, d.pool, d.device) == dev.key]
+    name = next((n for n in names if any(n in c for c in allocs)), None)
+    return sum(c.get(name, 0.0) for c in allocs) if name is not None else None
 
 
 def _published(slices: Mapping[DeviceKey, SliceDevice], index: DeviceIndex) -> tuple[PublishedDevice, ...]:

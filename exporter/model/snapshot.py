@@ -102,6 +102,9 @@ class Snapshot:
     # this node's published DRA devices, sorted by key; None while the slices are not listed
     published: tuple[PublishedDevice, ...] | None = None
     monotonic: float = 0.0  # the cycle's instant on the agent's monotonic clock (exporter/clock.py)
+    # (uuid, namespace, claim) -> what the claim consumed of a device several claims share, where
+    # its allocation states it (KEP-5075 consumedCapacity; bytes of memory for NVIDIA's)
+    consumed: dict[tuple[str, str, str], float] = field(default_factory=dict)
 
     def device(self, uuid: str) -> DeviceView | None:
         for d in self.devices:
