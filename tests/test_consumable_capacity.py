@@ -22,6 +22,7 @@ from drasim.node import SimulatedNode
 from drasim.scenario import parse_scenario
 from exporter.config import TaintMode
 from exporter.health.engine import HealthPolicy
+from exporter.remediation.evictions import EVENT_REASON
 
 GIB = 2**30
 # gpu0: three claims (10, 20 and 50 Gi of 80), claim b held by two pods; gpu1: two claims (20, 60);
@@ -135,3 +136,11 @@ def test_shares_energy_and_device_seconds_follow_consumed_memory_and_noexecute_c
             return rows[0] if rows and rows[0] > 0 else None
 
         assert wait_until(pending, timeout=90, interval=0.1, message="gpu-0 tainted NoExecute") == 4
+
+        # ... and, past the grace, each of those pods is told in a Warning Event of its own
+        def told() -> set[str] | None:
+            events = node.api.list("events.k8s.io", "events", namespace="ml")
+            pods = {e["regarding"]["name"] for e in events if e["reason"] == EVENT_REASON}
+            return pods if len(pods) == 4 else None
+
+        assert wait_until(told, timeout=90, interval=0.1, message="the overdue pods' Events") == {"pa", "pb1", "pb2", "pc"}
