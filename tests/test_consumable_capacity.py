@@ -143,4 +143,5 @@ def test_shares_energy_and_device_seconds_follow_consumed_memory_and_noexecute_c
             pods = {e["regarding"]["name"] for e in events if e["reason"] == EVENT_REASON}
             return pods if len(pods) == 4 else None
 
-        assert wait_until(told, timeout=90, interval=0.1, message="the overdue pods' Events") == {"pa", "pb1", "pb2", "pc"}
+        told_pods = wait_until(told, timeout=90, interval=0.1, message="the overdue pods' Events")
+        assert told_pods == {"pa", "pb1", "pb2", "pc"}

@@ -23,7 +23,16 @@ from exporter.devices.model import DeviceIdentity, DeviceReading, ReadError, Ven
 from exporter.health.model import DeviceHealth
 from exporter.metrics.render import Renderer, RenderState
 from exporter.model.snapshot import AllocationView, ClaimView, DeviceView, Snapshot
-from exporter.model.usage import CAPACITY, EQUAL, PER_PROCESS, DeviceSplit, UsageAccountant, device_weights, mig_weight, split_devices
+from exporter.model.usage import (
+    CAPACITY,
+    EQUAL,
+    PER_PROCESS,
+    DeviceSplit,
+    UsageAccountant,
+    device_weights,
+    mig_weight,
+    split_devices,
+)
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -139,7 +148,8 @@ def test_capacity_split_by_what_each_claim_consumed_then_its_pods():
     that states none makes it equal again; measured per-process memory still wins for usage."""
     allocs = (dra("ml", "a", "small", G0.uuid), dra("ml", "b", "small", G0.uuid), dra("web", "c", "big", G0.uuid))
     base = snap(0, allocs)
-    shared = dataclasses.replace(base, consumed={(G0.uuid, "ml", "small"): 20 * 2**30, (G0.uuid, "web", "big"): 60 * 2**30})
+    consumed = {(G0.uuid, "ml", "small"): 20 * 2**30, (G0.uuid, "web", "big"): 60 * 2**30}
+    shared = dataclasses.replace(base, consumed=consumed)
     s = split_of(split_devices(shared), G0.uuid)
     assert s.rule == CAPACITY and s.time == s.usage
     assert {(c, p): share for c, p, share in s.usage} == {
