@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..devices.model import DeviceIdentity, DeviceReading
 from ..health.model import DeviceHealth, Scope
-from ..k8s.model import AllocatedDevice, ClaimInfo, PodInfo, SliceDevice
+from ..k8s.model import ClaimInfo, PodInfo, SliceDevice
 from ..k8s.resolve import AMD_DRIVER, NVIDIA_DRIVER, DeviceIndex, Resolution, resolve, resolve_device_plugin
 from ..kubelet.model import AllocationSource, ContainerAllocation
 from .snapshot import AllocationView, ClaimView, DeviceView, PublishedDevice, Snapshot
@@ -36,15 +36,6 @@ class JoinInputs:
     pods: tuple[PodInfo, ...] = ()
     pod_labels: Mapping[tuple[str, str], Mapping[str, str]] | None = None
     monotonic: float = 0.0  # the cycle's instant on the monotonic clock: what durations are measured on
-
-
-def _allocated_from_claim(claim: ClaimInfo | None, key: DeviceKey) -> AllocatedDevice | None:
-    if claim is None:
-        return None
-    for d in claim.devices:
-        if (d.driver, d.pool, d.device) == key:
-            return d
-    return None
 
 
 def effective_health(uuid: str, parent_uuid: str, health: Mapping[str, DeviceHealth]) -> DeviceHealth:
@@ -157,7 +148,7 @@ def _structure(
             rkey = ("dra",) + key
             if rkey not in resolved:
                 claim = claims.get((a.claim_namespace, a.claim_name))
-                resolved[rkey] = resolve(key, slices.get(key), _allocated_from_claim(claim, key), index)
+                resolved[rkey] = resolve(key, slices.get(key), claim.device(*key) if claim else None, index)
             res = resolved[rkey]
             dev = slices.get(key)
             if dev is not None and dev.multiple and res.ok and (res.uuid, a.namespace, a.claim_name) not in consumed:
