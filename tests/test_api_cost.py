@@ -112,7 +112,8 @@ def test_new_claims_on_a_node_whose_slices_are_published_cost_no_claim_reads() -
     with SimulatedNode(sc) as node:
         node.start(pods=[])
         agent = node.start_agent(interval=0.1, taint_mode=TaintMode.ENFORCE)
-        wait_until(lambda: agent.src.get("slices").watcher.synced and agent.cycles > 2, timeout=60, message="the agent settled")
+        wait_until(lambda: agent.src.get("slices").watcher.synced and agent.cycles > 2, timeout=60,
+                   message="the agent settled")
         node.api.clear_requests()
         for start in range(0, CHURN_CLAIMS, BATCH):
             batch = sc.pods[start:start + BATCH]
@@ -137,7 +138,8 @@ def test_a_claim_deleted_before_its_read_is_not_asked_again_and_costs_no_discove
     with SimulatedNode(sc) as node:
         node.start(pods=[])
         agent = node.start_agent(interval=0.1, taint_mode=TaintMode.OFF)
-        wait_until(lambda: agent.src.get("slices").watcher.synced and agent.cycles > 2, timeout=60, message="the agent settled")
+        wait_until(lambda: agent.src.get("slices").watcher.synced and agent.cycles > 2, timeout=60,
+                   message="the agent settled")
         node.api.delete("resource.k8s.io", "resourceclaims", gone.name, namespace=gone.namespace)
         node.api.clear_requests()
         node.kubelet.set_pods(objects.kubelet_pods(sc, [gone]))  # reported, no longer in the API
@@ -148,3 +150,33 @@ def test_a_claim_deleted_before_its_read_is_not_asked_again_and_costs_no_discove
         wait_until(lambda: agent.cycles >= start + 20, timeout=60, message="cycles after the kubelet let go")
         asked = [(r.method, r.path, r.status) for r in node.api.requests if not r.watch]
         assert asked == [("GET", "/apis/resource.k8s.io/v1/namespaces/batch/resourceclaims/job-9", 404)]
+
+
+def test_a_device_gone_from_the_slices_is_still_resolved_through_its_claim() -> None:
+    """The fallback stays: job-0's GPU is not in this node's slice (a driver restart republishing
+    it, say), so the agent reads job-0's claim and resolves the device by the uuid its driver
+    wrote in ``status.devices[].data``; job-1's GPU is published, and its claim is not read."""
+    from drasim.scenario import DRIVER, parse_scenario
+
+    sc = parse_scenario(_churn_scenario())
+    held = sc.pods[:2]
+    with SimulatedNode(sc) as node:
+        node.start(pods=held)
+        (claim,) = [c for c in objects.resource_claims(sc, held) if c["metadata"]["name"] == "job-0"]
+        claim["status"]["devices"] = [{"driver": DRIVER, "pool": sc.node, "device": "gpu-0",
+                                       "data": {"uuid": {"string": node.uuid("g0")}}}]
+        node.api.apply(claim)
+        sl = objects.resource_slice(sc)
+        sl["spec"]["devices"] = [d for d in sl["spec"]["devices"] if d["name"] != "gpu-0"]
+        node.api.apply(sl)
+        node.api.clear_requests()
+        agent = node.start_agent(interval=0.1, taint_mode=TaintMode.OFF)
+
+        def resolved() -> dict[str, tuple[str, str]] | None:
+            rows = {a.claim: (a.uuid, a.method) for a in (agent.snapshot.allocations if agent.snapshot else ())}
+            return rows if rows.get("job-0", ("", ""))[0] else None
+
+        rows = wait_until(resolved, timeout=60, message="job-0's device resolved through its claim")
+        assert rows == {"job-0": (node.uuid("g0"), "claim-data-uuid"), "job-1": (node.uuid("g1"), "uuid")}
+        gets = [r.path.rsplit("/", 1)[1] for r in node.api.requests if "/resourceclaims/" in r.path]
+        assert gets == ["job-0"]
