@@ -20,7 +20,7 @@ from typing import Any
 from exporter.kubelet import api_pb2
 
 from . import kubelet as kb
-from .scenario import DRIVER, ContainerSpec, GpuSpec, MigSpec, PodSpec, Scenario
+from .scenario import DRIVER, ClaimSpec, ContainerSpec, GpuSpec, MigSpec, PodSpec, Scenario
 
 _NS = uuidlib.UUID("0e4d7f6a-9a51-4bfa-8d2e-3c5b9e0f1a22")
 
@@ -106,11 +106,46 @@ def _common_attrs(sc: Scenario, g: GpuSpec) -> dict[str, Any]:
 
 
 def _gpu_device(sc: Scenario, g: GpuSpec) -> dict[str, Any]:
-    return {
+    dev: dict[str, Any] = {
         "name": g.device_name,
         "attributes": {"type": {"string": "gpu"}, "uuid": {"string": g.uuid}, **_common_attrs(sc, g)},
         "capacity": {"memory": {"value": str(g.memory_bytes)}},
     }
+    if g.consumable_shares:
+        # NVIDIA's ConsumableShares in memory mode (cmd/gpu-kubelet-plugin/consumable_shares.go):
+        # several allocations, memory consumed in 1 Mi steps, a claim that asks for none takes it all
+        dev["allowMultipleAllocations"] = True
+        whole = _quantity(g.memory_bytes)
+        dev["capacity"]["memory"]["requestPolicy"] = {
+            "default": whole, "validRange": {"min": "1Mi", "max": whole, "step": "1Mi"}}
+    return dev
+
+
+def share_id(sc: Scenario, c: ClaimSpec, ref: str) -> str | None:
+    """The shareID the scheduler gives a claim's allocation of a consumable-shares GPU (a UID;
+    stable here), which the kubelet reports too; None for a device allocated whole."""
+    if ":" in ref or not sc.gpu(ref).consumable_shares:
+        return None
+    return str(uuidlib.uuid5(_NS, f"share/{c.namespace}/{c.name}/{ref}"))
+
+
+def _result(sc: Scenario, c: ClaimSpec, ref: str) -> dict[str, Any]:
+    """One allocation result of a scenario claim; on a consumable-shares GPU with its shareID and
+    the memory it consumed (the claim's, else the request policy's default: the whole GPU)."""
+    out: dict[str, Any] = {"request": "gpu", "driver": DRIVER, "pool": sc.node, "device": device_name(sc, ref)}
+    share = share_id(sc, c, ref)
+    if share is not None:
+        memory = c.memory if c.memory is not None else sc.gpu(ref).memory_bytes
+        out.update(shareID=share, consumedCapacity={"memory": _quantity(memory)})
+    return out
+
+
+def _quantity(size: int) -> str:
+    """Bytes as the API writes a Quantity: 20Gi rather than 21474836480."""
+    for suffix, unit in (("Gi", 2**30), ("Mi", 2**20)):
+        if size and size % unit == 0:
+            return f"{size // unit}{suffix}"
+    return str(size)
 
 
 def _mig_device(sc: Scenario, g: GpuSpec, m: MigSpec) -> dict[str, Any]:
@@ -182,20 +217,17 @@ def resource_claims(sc: Scenario, pods: list[PodSpec]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for c in sc.claims:
         holders = [p for p in pods if p.namespace == c.namespace and any(c.name in ct.claims for ct in p.containers)]
+        exactly: dict[str, Any] = {"deviceClassName": DRIVER, "allocationMode": "ExactCount", "count": len(c.devices)}
+        if c.memory is not None:
+            exactly["capacity"] = {"requests": {"memory": _quantity(c.memory)}}
         out.append(
             {
                 "apiVersion": "resource.k8s.io/v1",
                 "kind": "ResourceClaim",
                 "metadata": {"name": c.name, "namespace": c.namespace},
-                "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER, "allocationMode": "ExactCount", "count": len(c.devices)}}]}},
+                "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}},
                 "status": {
-                    "allocation": {
-                        "devices": {
-                            "results": [
-                                {"request": "gpu", "driver": DRIVER, "pool": sc.node, "device": device_name(sc, ref)} for ref in c.devices
-                            ]
-                        }
-                    },
+                    "allocation": {"devices": {"results": [_result(sc, c, ref) for ref in c.devices]}},
                     "reservedFor": [{"resource": "pods", "name": p.name, "uid": pod_uid(p)} for p in holders],
                 },
             }
@@ -278,7 +310,8 @@ def kubelet_pods(sc: Scenario, pods: list[PodSpec]) -> list[api_pb2.PodResources
             claims = []
             for cn in ct.claims:
                 c = next(c for c in sc.claims if c.namespace == p.namespace and c.name == cn)
-                claims.append(kb.claim(p.namespace, cn, [(DRIVER, sc.node, device_name(sc, ref), None) for ref in c.devices]))
+                held = [(DRIVER, sc.node, device_name(sc, ref), share_id(sc, c, ref)) for ref in c.devices]
+                claims.append(kb.claim(p.namespace, cn, held))
             if ct.extended:
                 # the generated claim, as GetContainerClaimInfos reports it for a container its
                 # request mappings name: all of the claim's devices, like any claim's

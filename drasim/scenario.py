@@ -115,6 +115,8 @@ class GpuSpec:
     # mode), as NVIDIA's driver writes them: (key, value, effect), e.g. gpu.nvidia.com/xid=43:None
     taints: tuple[tuple[str, str, str], ...] = ()
     published: bool = True  # False: the slice leaves the GPU out (a plugin that missed it)
+    # NVIDIA's ConsumableShares (KEP-5075): several claims may hold the GPU, each consuming memory
+    consumable_shares: bool = False
 
     @property
     def device_name(self) -> str:
@@ -145,6 +147,7 @@ class ClaimSpec:
     namespace: str
     name: str
     devices: tuple[str, ...]  # GPU names, or "<gpu>:<mig profile>:<placement start>" for MIG
+    memory: int | None = None  # consumed on each consumable-shares GPU; None: the whole GPU (the driver's default)
 
 
 @dataclass(frozen=True)
@@ -416,8 +419,11 @@ def _parse_gpu(i: int, raw: Any, node: str) -> GpuSpec:
         mig=tuple(migs),
         taints=tuple(_parse_taint(t, f"{where}.taints[{j}]") for j, t in enumerate(o.list("taints"))),
         published=o.bool("published", True),
+        consumable_shares=o.bool("consumable_shares", False),
     )
     o.done()
+    if g.consumable_shares and g.mig:
+        raise ScenarioError(f"{where}.consumable_shares: only a full GPU is shared here, not one in MIG mode")
     return g
 
 
@@ -478,8 +484,16 @@ def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
         devs = tuple(_device_ref(d, f"claims[{i}].devices[{j}]", gpus) for j, d in enumerate(co.list("devices")))
         if not devs:
             raise ScenarioError(f"claims[{i}].devices: at least one device is required")
-        claims.append(ClaimSpec(namespace=co.str("namespace", "default"), name=co.str("name"), devices=devs))
+        mem = co.get("memory")
+        claims.append(ClaimSpec(namespace=co.str("namespace", "default"), name=co.str("name"), devices=devs,
+                                memory=None if mem is None else parse_bytes(mem, f"claims[{i}].memory")))
         co.done()
+        if mem is not None and not any(gpus[d.split(":")[0]].consumable_shares for d in devs):
+            raise ScenarioError(f"claims[{i}].memory: only a claim on a consumable_shares GPU consumes memory")
+    for g in gpu_list:  # the scheduler never allocates more of a shared GPU than it has
+        held = [c.memory if c.memory is not None else g.memory_bytes for c in claims if g.name in c.devices]
+        if g.consumable_shares and sum(held) > g.memory_bytes:
+            raise ScenarioError(f"{source}.claims: the claims on {_show(g.name)} consume more memory than it has")
     claim_keys = {(c.namespace, c.name) for c in claims}
     if len(claim_keys) != len(claims):
         raise ScenarioError(f"{source}.claims: duplicate claim")

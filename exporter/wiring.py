@@ -29,10 +29,11 @@ from .devices.select import make_backend
 from .health.engine import HealthEngine, HealthPolicy
 from .health.starvation import StarvationMonitor
 from .kubelet.client import PodResourcesClient
-from .kubelet.collector import KubeletCollector, PodResources, claim_refs
+from .kubelet.collector import KubeletCollector, PodResources
 from .metrics.render import Renderer
 from .metrics.server import MetricsServer
 from .metrics.webconfig import load_web_config
+from .model.inputs import NeededClaims
 from .model.processes import ProcessCollector
 from .model.usage import UsageAccountant
 
@@ -127,7 +128,7 @@ def _discovery(api: ApiClient | None) -> Discovery | None:
 
 def _api_collectors(cfg: Config, api: ApiClient, discovery: Discovery) -> list[Collector[object]]:
     """The Kubernetes API's sources: this node's ResourceSlices (watched), the claims its pods
-    hold (fetched as the kubelet names them), its Pods (listed, when labels or per-process
+    hold that the join needs (fetched, see NeededClaims), its Pods (listed, when labels or per-process
     attribution want them)."""
     # (imported here: only an agent with an API server pays for the kubernetes client)
     from .k8s.claims import ClaimCache
@@ -140,7 +141,7 @@ def _api_collectors(cfg: Config, api: ApiClient, discovery: Discovery) -> list[C
     deadline = max(cfg.call_timeout, 0.5)
     out: list[Collector[object]] = [
         SliceCollector(SliceWatcher(api, cfg.node_name, discovery=discovery)),
-        ClaimCollector(ClaimCache(api, discovery=discovery), claim_refs, deadline),
+        ClaimCollector(ClaimCache(api, discovery=discovery), NeededClaims(), deadline),
     ]
     if cfg.per_process or cfg.pod_label_allowlist:
         out.append(PodCollector(NodePods(api, cfg.node_name), deadline))

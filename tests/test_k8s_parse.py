@@ -335,6 +335,27 @@ def test_claim_results_joined_with_status_data(version):
     assert info.reserved_for == ("trainer-0", "trainer-1")
 
 
+@pytest.mark.parametrize("shape", ["v1", "v1beta1"])
+def test_consumable_capacity_device_and_consumed_capacity(shape):
+    """KEP-5075: allowMultipleAllocations on the device (under ``basic`` in v1beta1), and each
+    result's consumedCapacity as numbers under the driver-qualified capacity names."""
+    sl = nvidia_slice_v1()
+    sl["spec"]["devices"][0]["allowMultipleAllocations"] = True
+    policy = {"default": "80Gi", "validRange": {"min": "1Mi", "step": "1Mi"}}
+    sl["spec"]["devices"][0]["capacity"]["memory"]["requestPolicy"] = policy
+    gpu0, mig = parse_slice(to_v1beta1(sl) if shape == "v1beta1" else sl, shape)
+    assert gpu0.multiple and not mig.multiple and gpu0.capacity == {"gpu.nvidia.com/memory": "80Gi"}
+    obj = claim_obj()
+    consumed = {"memory": "20Gi", "example.com/cores": "1500m"}
+    obj["status"]["allocation"]["devices"]["results"][2]["consumedCapacity"] = consumed
+    info = parse_claim(obj, "v1")
+    assert info.devices[2].consumed == {"gpu.example.com/memory": 20 * 2**30, "example.com/cores": 1.5}
+    assert info.devices[0].consumed == {}
+    obj["status"]["allocation"]["devices"]["results"][2]["consumedCapacity"] = {"memory": "lots"}
+    with pytest.raises(ParseError, match=r"consumedCapacity\[memory\]"):
+        parse_claim(obj, "v1")
+
+
 def test_unallocated_claim_has_no_devices():
     obj = claim_obj()
     del obj["status"]

@@ -24,7 +24,16 @@ from exporter.devices.model import DeviceIdentity, DeviceReading, ReadError, Ven
 from exporter.health.model import DeviceHealth
 from exporter.metrics.render import Renderer, RenderState
 from exporter.model.snapshot import AllocationView, ClaimView, DeviceView, Snapshot
-from exporter.model.usage import EQUAL, PER_PROCESS, DeviceSplit, UsageAccountant, device_weights, mig_weight, split_devices
+from exporter.model.usage import (
+    CAPACITY,
+    EQUAL,
+    PER_PROCESS,
+    DeviceSplit,
+    UsageAccountant,
+    device_weights,
+    mig_weight,
+    split_devices,
+)
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -131,6 +140,26 @@ def test_equal_split_between_claims_then_their_pods():
         (("web", "own"), ("web", "c")): pytest.approx(1 / 3), (None, ("old", "d")): pytest.approx(1 / 3),
     }
     assert s.time == s.usage
+
+
+def test_capacity_split_by_what_each_claim_consumed_then_its_pods():
+    """KEP-5075: claims on one device, each allocation stating its consumed memory (20 and 60 Gi):
+    usage, energy and device-time by those amounts, then equally between a claim's pods; a claim
+    that states none makes it equal again; measured per-process memory still wins for usage."""
+    allocs = (dra("ml", "a", "small", G0.uuid), dra("ml", "b", "small", G0.uuid), dra("web", "c", "big", G0.uuid))
+    base = snap(0, allocs)
+    consumed = {(G0.uuid, "ml", "small"): 20 * 2**30, (G0.uuid, "web", "big"): 60 * 2**30}
+    shared = dataclasses.replace(base, consumed=consumed)
+    s = split_of(split_devices(shared), G0.uuid)
+    assert s.rule == CAPACITY and s.time == s.usage
+    assert {(c, p): share for c, p, share in s.usage} == {
+        (("ml", "small"), ("ml", "a")): pytest.approx(1 / 8), (("ml", "small"), ("ml", "b")): pytest.approx(1 / 8),
+        (("web", "big"), ("web", "c")): pytest.approx(3 / 4),
+    }
+    partial = dataclasses.replace(base, consumed={(G0.uuid, "web", "big"): 60 * 2**30})
+    assert split_of(split_devices(partial), G0.uuid).rule == EQUAL
+    measured = split_of(split_devices(shared, {(G0.uuid, "ml", "a"): 2**30}), G0.uuid)
+    assert measured.rule == PER_PROCESS and measured.time == s.time
 
 
 def test_per_process_split_by_holder_pods_memory():

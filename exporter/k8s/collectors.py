@@ -140,7 +140,7 @@ class SliceCollector(Collector[Mapping[DeviceKey, SliceDevice]]):
 
 
 class ClaimCollector(Collector[Mapping[ClaimKey, ClaimInfo]]):
-    """``wanted(found)`` names the claims to hold this cycle (the kubelet's claim references)."""
+    """``wanted(found)`` names the claims to hold this cycle (exporter.model.inputs.NeededClaims)."""
 
     def __init__(self, cache: ClaimSource, wanted: Callable[[Gathered], list[ClaimKey]], deadline: float) -> None:
         super().__init__(CLAIMS)

@@ -34,6 +34,9 @@ class SliceDevice:
     capacity: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
     slice_name: str = ""
     pool_generation: int = 0
+    # allowMultipleAllocations (KEP-5075 consumable capacity): several claims may hold the device,
+    # each consuming part of its capacity (NVIDIA's ConsumableShares publishes ``memory`` so)
+    multiple: bool = field(default=False, compare=False)
     # compared: a changed taint is a changed device (the join re-derives what it publishes)
     taints: tuple[DeviceTaint, ...] = ()
 
@@ -84,6 +87,9 @@ class AllocatedDevice:
     data: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     # the request's tolerations, copied by the scheduler into the result when it allocated
     tolerations: tuple[DeviceToleration, ...] = ()
+    # consumedCapacity of a device that allows multiple allocations: qualified capacity name ->
+    # the amount this claim consumed (bytes for memory), as a number
+    consumed: dict[str, float] = field(default_factory=dict, hash=False, compare=False)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ nothing else, so the watcher can log the object, count it and carry on.
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -44,6 +45,7 @@ __all__ = [
     "parse_slice",
     "parse_slice_full",
     "qualify",
+    "quantity_value",
     "version_of",
 ]
 
@@ -240,6 +242,20 @@ def _quantity(value: Any, where: str) -> str:
     raise ParseError(f"{where}.value: expected a quantity string, got {type(q).__name__}")
 
 
+_QUANTITY = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:([eE][+-]?\d+)|(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?)$")
+_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60, "n": 1e-9, "u": 1e-6,
+           "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+
+
+def quantity_value(text: str) -> float | None:
+    """A resource.Quantity string ("20Gi", "1500m", "1e3") as a number; None when it is not one."""
+    m = _QUANTITY.match(text.strip())
+    if m is None:
+        return None
+    number, exponent, suffix = m.groups()
+    return float(number + (exponent or "")) * _SUFFIX.get(suffix or "", 1)
+
+
 # --------------------------------------------------------------------------- ResourceSlice
 
 
@@ -298,6 +314,8 @@ def _parse_slice(obj: Any, api_version: str) -> ParsedSlice:
                 capacity=capacity,
                 slice_name=slice_name,
                 pool_generation=generation,
+                # (under basic in v1beta1, like attributes and capacity)
+                multiple=_bool(body.get("allowMultipleAllocations"), f"{dwhere}.allowMultipleAllocations"),
                 # v1 and v1beta2: on the device; v1beta1: under basic, with the attributes
                 taints=_taints(body.get("taints"), f"{dwhere}.taints"),
             )
@@ -356,6 +374,12 @@ def _parse_claim(obj: Any) -> ClaimInfo:
         pool = _str(res.get("pool"), f"{rwhere}.pool")
         device = _str(res.get("device"), f"{rwhere}.device")
         share_id = _str(res.get("shareID"), f"{rwhere}.shareID", required=False)
+        consumed: dict[str, float] = {}
+        for cname, q in _dict(res.get("consumedCapacity"), f"{rwhere}.consumedCapacity", required=False).items():
+            amount = quantity_value(q) if isinstance(q, str) else None
+            if amount is None:
+                raise ParseError(f"{rwhere}.consumedCapacity[{cname}]: expected a quantity, got {str(q)[:40]!r}")
+            consumed[qualify(str(cname), driver)] = amount
         devices.append(
             AllocatedDevice(
                 request=_str(res.get("request"), f"{rwhere}.request", required=False),
@@ -366,6 +390,7 @@ def _parse_claim(obj: Any) -> ClaimInfo:
                 admin_access=_bool(res.get("adminAccess"), f"{rwhere}.adminAccess"),
                 data=data_by_key.get((driver, pool, device, share_id), {}),
                 tolerations=_tolerations(res.get("tolerations"), f"{rwhere}.tolerations"),
+                consumed=consumed,
             )
         )
 

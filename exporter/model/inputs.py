@@ -15,7 +15,9 @@ from ..devices.collector import DEVICES
 from ..devices.model import DeviceIdentity, DeviceReading
 from ..health.model import DeviceHealth
 from ..k8s.collectors import CLAIMS, PODS, SLICES
+from ..k8s.resolve import DeviceIndex, resolve
 from ..kubelet.collector import KUBELET
+from ..kubelet.model import AllocationSource
 from .join import JoinInputs, JoinMemo, join
 from .lost import LostDevices
 from .snapshot import Snapshot
@@ -62,3 +64,42 @@ class CycleJoin:
             ),
             self._memo,
         )
+
+
+class NeededClaims:
+    """The ResourceClaims the claims collector fetches (its ``wanted``): only those the join needs.
+
+    The kubelet's answer names each claim's devices (driver, pool, device) and this node's
+    ResourceSlices (watched) resolve them to local GPUs, so a claim is a fallback source, read
+    only where something is missing: a device gone from the slices or not listed yet (the
+    claim's ``status.devices[].data`` may still name it), a device the slice alone does not
+    resolve here, and a device several claims share by consumable capacity (KEP-5075
+    ``allowMultipleAllocations``: each claim's ``consumedCapacity`` splits it). Worked out again
+    only when the allocations, the slices or the devices differ."""
+
+    def __init__(self) -> None:
+        self._memo: tuple[tuple[object, ...], list[tuple[str, str]]] | None = None
+
+    def __call__(self, found: Gathered) -> list[tuple[str, str]]:
+        kubelet = found.get(KUBELET)
+        if kubelet is None:
+            return []
+        slices, scan = found.get(SLICES), found.get(DEVICES)
+        identities = scan.identities if scan is not None else ()
+        key = (kubelet.allocations, slices, identities)
+        if self._memo is not None and self._memo[0] == key:
+            return self._memo[1]
+        index = DeviceIndex(identities)
+        settled: dict[tuple[str, str, str], bool] = {}  # device -> resolved by the slices alone
+        needed: set[tuple[str, str]] = set()
+        for a in kubelet.allocations:
+            if a.source != AllocationSource.DRA or not a.claim_name:
+                continue
+            device = (a.driver, a.pool, a.device)
+            if device not in settled:
+                dev = slices.get(device) if slices is not None else None
+                settled[device] = dev is not None and not dev.multiple and resolve(device, dev, None, index).ok
+            if not settled[device]:
+                needed.add((a.claim_namespace, a.claim_name))
+        self._memo = (key, sorted(needed))
+        return self._memo[1]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..devices.model import DeviceIdentity, DeviceReading, Vendor, normalize_pci_bus_id
 from ..health.model import DeviceHealth, Scope
-from ..k8s.model import AllocatedDevice, ClaimInfo, PodInfo, SliceDevice
+from ..k8s.model import ClaimInfo, PodInfo, SliceDevice
 from ..k8s.resolve import AMD_DRIVER, NVIDIA_DRIVER, PCI_BUS_ID_ATTR, DeviceIndex, Resolution, resolve, resolve_device_plugin
 from ..kubelet.model import AllocationSource, ContainerAllocation
 from .snapshot import AllocationView, ClaimView, DeviceView, PublishedDevice, Snapshot
@@ -36,15 +36,6 @@ class JoinInputs:
     pods: tuple[PodInfo, ...] = ()
     pod_labels: Mapping[tuple[str, str], Mapping[str, str]] | None = None
     monotonic: float = 0.0  # the cycle's instant on the monotonic clock: what durations are measured on
-
-
-def _allocated_from_claim(claim: ClaimInfo | None, key: DeviceKey) -> AllocatedDevice | None:
-    if claim is None:
-        return None
-    for d in claim.devices:
-        if (d.driver, d.pool, d.device) == key:
-            return d
-    return None
 
 
 def effective_health(uuid: str, parent_uuid: str, health: Mapping[str, DeviceHealth]) -> DeviceHealth:
@@ -83,6 +74,7 @@ class _Structure:
     unresolved: dict[str, int]
     published: tuple[PublishedDevice, ...] = ()
     unpublished: dict[str, int] | None = None
+    consumed: dict[tuple[str, str, str], float] | None = None  # Snapshot.consumed
 
 
 class JoinMemo:
@@ -130,6 +122,7 @@ def join(inp: JoinInputs, memo: JoinMemo | None = None) -> Snapshot:
         pod_uids={p.uid: (p.namespace, p.name) for p in inp.pods if p.uid},
         published=structure.published if inp.slices is not None else None,
         unpublished=dict(structure.unpublished or {}) if inp.slices is not None else {},
+        consumed=structure.consumed or {},
     )
 
 
@@ -149,6 +142,7 @@ def _structure(
     # with a device that resolved here. A node's other DRA drivers (NICs, NVIDIA's
     # compute-domain channels) allocate devices that are no GPU at all: not "unresolved".
     gpu_drivers = {NVIDIA_DRIVER, AMD_DRIVER}
+    consumed: dict[tuple[str, str, str], float] = {}
 
     for a in allocations:
         if a.source == AllocationSource.DRA:
@@ -156,8 +150,13 @@ def _structure(
             rkey = ("dra",) + key
             if rkey not in resolved:
                 claim = claims.get((a.claim_namespace, a.claim_name))
-                resolved[rkey] = resolve(key, slices.get(key), _allocated_from_claim(claim, key), index)
+                resolved[rkey] = resolve(key, slices.get(key), claim.device(*key) if claim else None, index)
             res = resolved[rkey]
+            dev = slices.get(key)
+            if dev is not None and dev.multiple and res.ok and (res.uuid, a.namespace, a.claim_name) not in consumed:
+                amount = _consumed(dev, claims.get((a.claim_namespace, a.claim_name)))
+                if amount is not None:
+                    consumed[(res.uuid, a.namespace, a.claim_name)] = amount
             row = AllocationView(
                 driver=a.driver, pool=a.pool, device=a.device, uuid=res.uuid, namespace=a.namespace, pod=a.pod,
                 container=a.container, claim=a.claim_name, source="dra", method=res.method,
@@ -188,7 +187,20 @@ def _structure(
         unresolved=_unresolved_counts(slices, unresolved, gpu_drivers, _plugin_gpu_resources(rows)),
         published=published,
         unpublished=_unpublished(slices, published, identities),
+        consumed=consumed,
     )
+
+
+def _consumed(dev: SliceDevice, claim: ClaimInfo | None) -> float | None:
+    """What a claim consumed of a device several claims share (KEP-5075 consumedCapacity): its
+    memory, else the first capacity the slice names that the allocation states; summed over the
+    claim's allocations of the device (one per shareID). None when the allocation states none."""
+    if claim is None:
+        return None
+    names = sorted(dev.capacity, key=lambda n: (not n.endswith("/memory"), n))
+    allocs = [d.consumed for d in claim.devices if (d.driver, d.pool, d.device) == dev.key]
+    name = next((n for n in names if any(n in c for c in allocs)), None)
+    return sum(c.get(name, 0.0) for c in allocs) if name is not None else None
 
 
 def _published(slices: Mapping[DeviceKey, SliceDevice], index: DeviceIndex) -> tuple[PublishedDevice, ...]:

@@ -105,6 +105,9 @@ class Snapshot:
     # this node's published DRA devices, sorted by key; None while the slices are not listed
     published: tuple[PublishedDevice, ...] | None = None
     monotonic: float = 0.0  # the cycle's instant on the agent's monotonic clock (exporter/clock.py)
+    # (uuid, namespace, claim) -> what the claim consumed of a device several claims share, where
+    # its allocation states it (KEP-5075 consumedCapacity; bytes of memory for NVIDIA's)
+    consumed: dict[tuple[str, str, str], float] = field(default_factory=dict)
     # GPU driver -> physical GPUs the device library sees and no slice of this node publishes
     # (a GPU counts as published when any device of that driver lives on it); empty while the
     # slices are not listed

@@ -48,9 +48,12 @@ and in parts at once), each gets its weight's proportion of the GPU.
 **Shares: between the holders of one device.** With per-process figures (``--per-process``), a
 device's usage, memory and energy are split by the memory its holder pods' processes use on it;
 a pod holding the device through several claims splits its part equally between them. Without
-them, or while no holder's process uses memory on the device, equally between the claims (a
-device-plugin pod is one holder of its own), then equally between each claim's pods on that
-device. Device-time is always split the equal way: it is allocation, not use. The parts of every
+them, or while no holder's process uses memory on the device, by allocation: on a device several
+claims share by consumable capacity (KEP-5075), by what each claim's allocation says it consumed
+(``consumedCapacity``, its memory for NVIDIA's ``ConsumableShares``) when every claim states it
+(rule ``capacity``); otherwise equally between the claims (a device-plugin pod is one holder of
+its own); then equally between each claim's pods on that device. Device-time is always split by
+allocation: it is what was allocated, not what was used. The parts of every
 held device add up to 1; what no holder takes (an idle device, unpartitioned slices of a MIG GPU)
 is counted as unattributed.
 
@@ -81,6 +84,7 @@ from .snapshot import Snapshot
 
 EQUAL = "equal"
 PER_PROCESS = "per_process"
+CAPACITY = "capacity"
 
 ClaimKey = tuple[str, str]  # (namespace, claim)
 PodKey = tuple[str, str]  # (namespace, pod)
@@ -104,9 +108,9 @@ class DeviceSplit:
     gpu: str  # the physical GPU whose energy counter the device draws on
     weight: float  # the device's part of its GPU (see the module doc)
     fraction: float  # the part its holders get: the weight, scaled down if the GPU is over-held
-    rule: str  # EQUAL or PER_PROCESS: how ``usage`` was split
+    rule: str  # EQUAL, CAPACITY or PER_PROCESS: how ``usage`` was split
     usage: tuple[Part, ...]  # split of usage, memory and energy; shares add up to 1
-    time: tuple[Part, ...]  # split of allocated time (always equal); shares add up to 1
+    time: tuple[Part, ...]  # split of allocated time (by consumed capacity or equal); shares add up to 1
 
 
 class Totals:
@@ -217,8 +221,8 @@ def split_devices(snap: Snapshot, process_memory: ProcessMemory | None = None) -
 
 
 # One held device as the allocations and the devices alone make it: (uuid, its GPU, weight,
-# fraction, holder -> its pods, the equal split). What --per-process memory cannot move.
-Held = tuple[str, str, float, float, dict[tuple[str, str, str], set[str]], tuple[Part, ...]]
+# fraction, holder -> its pods, the allocation split, its rule). What --per-process memory cannot move.
+Held = tuple[str, str, float, float, dict[tuple[str, str, str], set[str]], tuple[Part, ...], str]
 
 
 def _holders(snap: Snapshot) -> tuple[Held, ...]:
@@ -241,14 +245,16 @@ def _holders(snap: Snapshot) -> tuple[Held, ...]:
         gpu, w = weights[uuid]
         total = per_gpu[gpu]
         units = held[uuid]
-        out.append((uuid, gpu, w, w / total if total > 1.0 else w, units, _equal(units)))
+        by_capacity = _by_capacity(uuid, units, snap.consumed) if snap.consumed else None
+        split, rule = (by_capacity, CAPACITY) if by_capacity is not None else (_equal(units), EQUAL)
+        out.append((uuid, gpu, w, w / total if total > 1.0 else w, units, split, rule))
     return tuple(out)
 
 
 def _split(holders: tuple[Held, ...], process_memory: ProcessMemory | None) -> tuple[DeviceSplit, ...]:
     out = []
-    for uuid, gpu, w, fraction, units, time in holders:
-        usage, rule = time, EQUAL
+    for uuid, gpu, w, fraction, units, time, allocated_by in holders:
+        usage, rule = time, allocated_by
         if process_memory is not None:
             by_process = _per_process(uuid, units, process_memory)
             if by_process is not None:
@@ -267,6 +273,21 @@ def _equal(units: Mapping[tuple[str, str, str], set[str]]) -> tuple[Part, ...]:
     return tuple(
         (_claim(unit), (unit[0], pod), 1.0 / n / len(pods))
         for unit, pods in sorted(units.items())
+        for pod in sorted(pods)
+    )
+
+
+def _by_capacity(uuid: str, units: Mapping[tuple[str, str, str], set[str]],
+                 consumed: Mapping[tuple[str, str, str], float]) -> tuple[Part, ...] | None:
+    """By what each claim consumed of the device (KEP-5075), then equally between a claim's pods;
+    None unless every holder is a claim whose allocation states an amount."""
+    amounts = [consumed.get((uuid, unit[0], unit[1]), 0.0) if unit[1] else 0.0 for unit in units]
+    total = sum(amounts)
+    if not all(a > 0.0 for a in amounts) or total <= 0.0:
+        return None
+    return tuple(
+        (_claim(unit), (unit[0], pod), a / total / len(pods))
+        for (unit, pods), a in sorted(zip(units.items(), amounts, strict=True))
         for pod in sorted(pods)
     )
 
