@@ -105,7 +105,8 @@ class Expositions:
                     self.renders += 1
                     self.error = None
                 except Exception as e:  # a bug for one state must not take the endpoint down
-                    log.exception("metrics_render_failed", serving="the previous cycle's metrics" if self._cached else "HTTP 500")
+                    serving = "the previous cycle's metrics" if self._cached else "HTTP 500"
+                    log.exception("metrics_render_failed", serving=serving)
                     self._failed = state[0]
                     self.failures += 1
                     self.error = f"metrics render failed: {type(e).__name__}: {one_line(e, 200)}"
@@ -365,7 +366,8 @@ class MetricsServer:
                 exp = await asyncio.wait_for(asyncio.wrap_future(job), self.RENDER_TIMEOUT)
             except TimeoutError:
                 log.warning("metrics_render_slow", waited_seconds=self.RENDER_TIMEOUT)
-                return Response(503, b"metrics not rendered in time: retry\n", [("Content-Type", _TEXT), ("Retry-After", "1")])
+                headers = [("Content-Type", _TEXT), ("Retry-After", "1")]
+                return Response(503, b"metrics not rendered in time: retry\n", headers)
             except Exception as e:  # the job itself broke (a render's own failure is caught in it)
                 log.warning("metrics_job_failed", error=one_line(e))
         if exp is None:  # every render so far failed (logged, and said in /readyz)
