@@ -174,7 +174,8 @@ def bench_scrape(requests: int = 2000, first_rounds: int = 50) -> None:
         print("| scrapers | requests | /metrics p50 | /metrics p99 | static p50 | static p99 | p99 ratio |")
         print("|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['concurrency']} | {r['requests']} | {r['metrics_p50_ms']:.2f} ms | {r['metrics_p99_ms']:.2f} ms | {r['static_p50_ms']:.2f} ms | {r['static_p99_ms']:.2f} ms | {r['ratio_p99']:.2f} |")
+            print(f"| {r['concurrency']} | {r['requests']} | {r['metrics_p50_ms']:.2f} ms | {r['metrics_p99_ms']:.2f} ms "
+                  f"| {r['static_p50_ms']:.2f} ms | {r['static_p99_ms']:.2f} ms | {r['ratio_p99']:.2f} |")
     finally:
         node.stop()
     bench_first_scrape(first_rounds)

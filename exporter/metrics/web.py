@@ -185,8 +185,8 @@ class _Conn(asyncio.Protocol):
     """One accepted connection: its transport, read-ahead, TLS state and serving task."""
 
     __slots__ = (
-        "abort_handle", "closing", "eof", "id", "inbuf", "lost", "peer", "peer_ip", "phase", "readable", "reading_paused",
-        "served", "since", "sock", "srv", "task", "tls", "transport", "writable",
+        "abort_handle", "closing", "eof", "id", "inbuf", "lost", "peer", "peer_ip", "phase", "readable",
+        "reading_paused", "served", "since", "sock", "srv", "task", "tls", "transport", "writable",
     )
 
     def __init__(self, server: HttpServer, cid: int, sock: socket.socket, has_data: bool) -> None:
