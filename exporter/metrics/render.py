@@ -656,7 +656,7 @@ class Renderer:
             lines: list[str] = []
             om_lines = lines if tname == oname else []  # sample names escape alike: one list of lines for both
             for labels, value in rows:
-                p = cur.get(labels) or last.get(labels)
+                p = last.get(labels) or cur.get(labels)
                 if p is None:
                     ls = _label_str(names, labels)
                     p = (f"{tname}{ls} ", f"{oname}{ls} ")
