@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from agent_process import rendered  # noqa: E402
+from agent_process import published, rendered, serve_static  # noqa: E402
 from scrape_attack import LOAD_START_METHOD  # noqa: E402
 
 from drasim.backend import SimClock  # noqa: E402
@@ -142,17 +142,11 @@ def bench_scrape(requests: int = 2000, first_rounds: int = 50) -> None:
     node.start()
     try:
         body = rendered(node.agent).body
-        node.agent.server.serve_static(body)
+        serve_static(node.agent.server, body)
         base = node.agent.server.url
         rows = []
-        ondemand = getattr(node.agent, "expositions", None)
-        # 10 scrapers keep up with the 1 s cycle, so the sampler renders each cycle before
-        # publishing it (exporter/metrics/ondemand.py); the last row turns that off: every
-        # cycle is rendered by the first scrape that wants it.
-        loads = [(1, False), (10, False)] + ([(10, True)] if ondemand is not None else [])
-        for conc, lazy_only in loads:
-            if lazy_only:
-                ondemand.EAGER_AFTER = 10**9
+        # Each cycle is rendered by the first scrape that wants it (exporter/metrics/server.py).
+        for conc in (1, 10):
             per = max(50, requests // conc)
             _load(base + "/metrics", conc, 20)  # warm up
             _load(base + "/static", conc, 20)
@@ -167,7 +161,6 @@ def bench_scrape(requests: int = 2000, first_rounds: int = 50) -> None:
             rows.append(
                 {
                     "concurrency": conc,
-                    "on_demand_only": lazy_only,
                     "requests": len(m),
                     "metrics_p50_ms": pct(m, 50) * 1e3,
                     "metrics_p99_ms": pct(m, 99) * 1e3,
@@ -181,12 +174,11 @@ def bench_scrape(requests: int = 2000, first_rounds: int = 50) -> None:
         print("| scrapers | requests | /metrics p50 | /metrics p99 | static p50 | static p99 | p99 ratio |")
         print("|---|---|---|---|---|---|---|")
         for r in rows:
-            what = f"{r['concurrency']}, every cycle rendered by a scrape (eager rendering off)" if r["on_demand_only"] else str(r["concurrency"])
-            print(f"| {what} | {r['requests']} | {r['metrics_p50_ms']:.2f} ms | {r['metrics_p99_ms']:.2f} ms | {r['static_p50_ms']:.2f} ms | {r['static_p99_ms']:.2f} ms | {r['ratio_p99']:.2f} |")
+            print(f"| {r['concurrency']} | {r['requests']} | {r['metrics_p50_ms']:.2f} ms | {r['metrics_p99_ms']:.2f} ms "
+                  f"| {r['static_p50_ms']:.2f} ms | {r['static_p99_ms']:.2f} ms | {r['ratio_p99']:.2f} |")
     finally:
         node.stop()
-    if getattr(node.agent, "expositions", None) is not None:
-        bench_first_scrape(first_rounds)
+    bench_first_scrape(first_rounds)
 
 
 def bench_first_scrape(rounds: int = 50) -> None:
@@ -201,10 +193,7 @@ def bench_first_scrape(rounds: int = 50) -> None:
         import http.client
 
         srv = node.agent.server
-        srv.serve_static(rendered(node.agent).openmetrics_gzipped)
-        # Every cycle here is scraped, which would have the sampler render it eagerly: what is
-        # measured is the on-demand path (a scrape every 15 s of a 1-5 s cycle).
-        node.agent.expositions.EAGER_AFTER = 10**9
+        serve_static(srv, rendered(node.agent).openmetrics_gzipped)
 
         def get(path: str) -> float:
             t0 = time.perf_counter()
@@ -228,7 +217,7 @@ def bench_first_scrape(rounds: int = 50) -> None:
             static.append(get("/static"))
             node.agent.run_cycle()  # the render alone, for scale: a fresh cycle rendered on the render thread
             c0 = time.process_time()
-            node.agent.expositions.current()
+            node.agent.expositions.exposition()
             render.append(time.process_time() - c0)
         row = {"rounds": rounds, "first_p50_ms": pct(first, 50) * 1e3, "first_p99_ms": pct(first, 99) * 1e3, "second_p50_ms": pct(second, 50) * 1e3,
                "second_p99_ms": pct(second, 99) * 1e3, "static_p50_ms": pct(static, 50) * 1e3, "static_p99_ms": pct(static, 99) * 1e3, "render_cpu_p50_ms": pct(render, 50) * 1e3}
@@ -498,11 +487,11 @@ def bench_series() -> None:
     node = Node(big_scenario(), interval=3600)
     node.start(serve=False)
     try:
+        states = published(node.agent)
         for _ in range(2):  # the billing counters appear with the second reading of the GPUs' energy
             node.clock.advance_to(node.clock.now() + 5.0)
             node.agent.run_cycle()
-        published = node.agent.expositions.state  # the whole state a scrape renders (billing, self-metrics)
-        assert published is not None
+        last = states[-1]  # the whole state a scrape renders (billing, self-metrics)
         out = {}
         lean = parse_exclude_metrics(LEAN_EXCLUDE)
         for label, compat, allow, excluded in (
@@ -512,7 +501,7 @@ def bench_series() -> None:
             ("lean (--exclude-metrics)", False, (), lean),
             ("lean, no per-pod billing", False, (), parse_exclude_metrics(LEAN_EXCLUDE + ",dra_pod_*")),
         ):
-            state = dataclasses.replace(published, pod_label_allowlist=allow, dcgm_compat=compat, excluded=excluded)
+            state = dataclasses.replace(last, pod_label_allowlist=allow, dcgm_compat=compat, excluded=excluded)
             body = Renderer().render(state).body.decode()
             n = sum(1 for line in body.splitlines() if line and not line.startswith("#"))
             out[label] = n

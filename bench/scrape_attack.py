@@ -223,14 +223,14 @@ def requesters(host: str, port: int, clients: int, path: str, stop: mp.Event, ou
 
 
 def bench(node_factory: Callable, scenario: dict, pct: Callable, results: dict, requests: int = 2000, idle: int = 3000, slow: int = 300, bombs: int = 20, flood_threads: int = 16) -> None:
-    from agent_process import rendered  # (bench/ is on the path: run by bench/run.py)
+    from agent_process import rendered, serve_static  # (bench/ is on the path: run by bench/run.py)
 
     node = node_factory(scenario)
     node.start()
     ctx = mp.get_context(LOAD_START_METHOD)
     try:
         server = node.agent.server
-        server.serve_static(rendered(node.agent).gzipped)
+        serve_static(server, rendered(node.agent).gzipped)
         host, port = "127.0.0.1", server.port
         conc, per = 10, max(20, requests // 10)
         rows = []

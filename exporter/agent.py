@@ -21,9 +21,8 @@ from .config import Config
 from .devices.collector import DeviceCollector
 from .health.engine import HealthEngine
 from .health.starvation import StarvationMonitor
-from .metrics.ondemand import OnDemand
 from .metrics.render import Renderer, RenderState
-from .metrics.server import MetricsServer, Probe
+from .metrics.server import Expositions, MetricsServer, Probe
 from .model.inputs import CycleJoin
 from .model.processes import PROCESSES
 from .model.snapshot import SNAPSHOT, Snapshot
@@ -88,7 +87,7 @@ class Agent:
         self.clock = clock
         self.health = outputs.health
         self.starvation = outputs.starvation
-        self.expositions = OnDemand(outputs.renderer)  # each cycle's state, rendered when asked
+        self.expositions = Expositions(outputs.renderer)  # each cycle's state, rendered when a scrape asks
         self.server: MetricsServer | None = None
         self.status: dict[str, CollectorStatus] = {}
         self.snapshot: Snapshot | None = None
@@ -143,7 +142,6 @@ class Agent:
                 log.exception("stop_failed", part=name)
         if self.server is not None:
             self.server.stop()
-        self.expositions.close()
         self.starvation.stop()
 
     def _loop(self) -> None:
@@ -218,7 +216,7 @@ class Agent:
         return snap
 
     def publish(self) -> None:
-        """Publish the cycle's state: rendered when a scrape asks for it (exporter/metrics/ondemand.py)."""
+        """Publish the cycle's state: rendered when a scrape asks for it (exporter/metrics/server.py)."""
         rep = self.out.remediation.report() if self.out.remediation is not None else None
         xid_counts, read_errors = self.health.counters()  # one consistent copy under the lock
         starved = self.starvation.state()

@@ -185,8 +185,8 @@ class _Conn(asyncio.Protocol):
     """One accepted connection: its transport, read-ahead, TLS state and serving task."""
 
     __slots__ = (
-        "abort_handle", "closing", "drain_waiter", "eof", "id", "inbuf", "lost", "peer", "peer_ip", "phase", "reading_paused", "served",
-        "since", "sock", "srv", "task", "tls", "transport", "waiter", "writing_paused",
+        "abort_handle", "closing", "eof", "id", "inbuf", "lost", "peer", "peer_ip", "phase", "readable",
+        "reading_paused", "served", "since", "sock", "srv", "task", "tls", "transport", "writable",
     )
 
     def __init__(self, server: HttpServer, cid: int, sock: socket.socket, has_data: bool) -> None:
@@ -204,9 +204,11 @@ class _Conn(asyncio.Protocol):
         self.lost = False
         self.closing = False
         self.reading_paused = False
-        self.writing_paused = False
-        self.waiter: asyncio.Future[None] | None = None
-        self.drain_waiter: asyncio.Future[None] | None = None
+        # Flow control, as uvicorn's: set when there is something to read (or the end), and
+        # while the transport takes writes.
+        self.readable = asyncio.Event()
+        self.writable = asyncio.Event()
+        self.writable.set()
         self.tls: _TLS | None = None
         self.task: asyncio.Task[None] | None = None
         self.abort_handle: asyncio.TimerHandle | None = None
@@ -235,11 +237,11 @@ class _Conn(asyncio.Protocol):
         if len(self.inbuf) >= READ_CHUNK and not self.reading_paused and self.transport is not None:
             self.reading_paused = True
             self.transport.pause_reading()
-        self._wake()
+        self.readable.set()
 
     def eof_received(self) -> bool:
         self.eof = True
-        self._wake()
+        self.readable.set()
         return True  # half-closed: the answer can still be written
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -247,8 +249,8 @@ class _Conn(asyncio.Protocol):
         if self.abort_handle is not None:
             self.abort_handle.cancel()
             self.abort_handle = None
-        self._wake()
-        self._wake_drain()
+        self.readable.set()
+        self.writable.set()
         if self.task is not None and not self.task.done() and not self.closing:
             self.task.cancel()  # the client is gone: stop waiting for a bcrypt check or a probe
         self.tls = None
@@ -256,29 +258,15 @@ class _Conn(asyncio.Protocol):
         self.srv._release(self)
 
     def pause_writing(self) -> None:
-        self.writing_paused = True
+        self.writable.clear()
 
     def resume_writing(self) -> None:
-        self.writing_paused = False
-        self._wake_drain()
+        self.writable.set()
 
     # -- reading -------------------------------------------------------------------------------
-    def _wake(self) -> None:
-        w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    def _wake_drain(self) -> None:
-        w = self.drain_waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
     async def _wait(self) -> None:
-        self.waiter = self.srv.loop.create_future()
-        try:
-            await self.waiter
-        finally:
-            self.waiter = None
+        self.readable.clear()
+        await self.readable.wait()
 
     async def _read(self) -> bytes:
         """What has arrived (at least one byte), or b"" at the end of the stream."""
@@ -362,21 +350,15 @@ class _Conn(asyncio.Protocol):
             self._tls_out(tls)
 
     async def _drain(self) -> None:
-        if not self.writing_paused:
-            return
-        self.drain_waiter = self.srv.loop.create_future()
-        try:
-            async with asyncio.timeout(self.srv.limits.write_timeout):
-                while self.writing_paused and not self.lost:
-                    await self.drain_waiter
-                    self.drain_waiter = self.srv.loop.create_future()
-        except TimeoutError:
-            self.srv._timeout("write")
-            if self.transport is not None:
-                self.transport.abort()
-            raise ConnectionError("write timed out") from None
-        finally:
-            self.drain_waiter = None
+        if not self.writable.is_set():
+            try:
+                async with asyncio.timeout(self.srv.limits.write_timeout):
+                    await self.writable.wait()
+            except TimeoutError:
+                self.srv._timeout("write")
+                if self.transport is not None:
+                    self.transport.abort()
+                raise ConnectionError("write timed out") from None
         if self.lost:
             raise ConnectionError("connection lost")
 
