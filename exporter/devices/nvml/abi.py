@@ -131,7 +131,7 @@ THROTTLE_FIELDS: tuple[tuple[int, int, str], ...] = (
 )  # fmt: skip
 
 #: Fields the driver answers slowly, read at most once per ``slow_counter_period_s``; between
-#: reads the last value is reported (both are counters, so rate() over them is unchanged).
+#: reads the last value is reported (all are counters, so rate() over them is unchanged).
 #: Measured on an H100 (driver 580.159.04, bench/nvml_hardware.py): the total-energy field costs
 #: 3.2 ms of CPU per call and the PCIe replay counter 0.13 ms, every other field 2-7 us, so the
 #: energy field alone was two thirds of a GPU's read and most of the agent's CPU at 1 s.
