@@ -238,6 +238,12 @@ class SimBackend(DeviceBackend):
         r.sm_clock_hertz = (1155 + 825 * util) * 1e6
         r.memory_clock_hertz = 2619e6
         r.clock_event_reasons = 0x1 if util < 0.05 else 0x0
+        # NVML's throttle-time counters: held below target 2 % of the time by power, 10 % by
+        # low utilization (stateless, so monotonic in simulated time)
+        power_s, idle_s = round(t * 0.02, 3), round(t * 0.1, 3)
+        quiet = ("thermal", "sync_boost", "board_limit", "reliability", "total_base_clocks")
+        r.throttle_seconds = dict.fromkeys(quiet, 0.0)
+        r.throttle_seconds.update(power=power_s, low_utilization=idle_s, total_app_clocks=power_s + idle_s)
         r.pcie_replay_total = 0
         r.retired_pages_total = 0
         r.retired_pages_pending = False

@@ -42,6 +42,9 @@ CATALOG: tuple[MetricDef, ...] = (
     _m("gpu_sm_clock_hertz", "gauge", U, "SM clock"),
     _m("gpu_memory_clock_hertz", "gauge", U, "Memory clock"),
     _m("gpu_clock_event_reasons", "gauge", U, "Bitmask of active clock event (throttle) reasons, NVML encoding"),
+    _m("gpu_clock_throttle_seconds_total", "counter", "uuid,reason",
+       "Time the clocks were held below their target since the driver loaded, by reason (NVML perf policy: power, "
+       "thermal, sync_boost, board_limit, low_utilization, reliability; totals: total_app_clocks, total_base_clocks)"),
     _m("gpu_sm_active_ratio", "gauge", U, "GPM: share of SM cycles with a warp resident, 0..1"),
     _m("gpu_sm_occupancy_ratio", "gauge", U, "GPM: warp occupancy of the SMs, 0..1"),
     _m("gpu_tensor_active_ratio", "gauge", U, "GPM: share of cycles the tensor pipes were active, 0..1"),

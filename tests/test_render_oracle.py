@@ -78,6 +78,9 @@ def devices(draw):
                     row_remap_pending=maybe(st.booleans()),
                     recovery_action=maybe(st.sampled_from(list(RecoveryAction))),
                     sm_active_ratio=maybe(number),
+                    throttle_seconds=st.dictionaries(
+                        st.sampled_from(["power", "thermal", "total_app_clocks"]), number, max_size=3
+                    ),
                 ),
             )
         )

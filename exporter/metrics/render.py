@@ -395,8 +395,10 @@ class SnapshotCollector(Collector):
                 gauges.append(g)
         ecc: list[Row] = []
         remap: list[Row] = []
+        throttle: list[Row] = []
         for key, r in read:
             uuid = key[1]
+            throttle.extend(((node, uuid, reason), s) for reason, s in r.throttle_seconds.items())
             if r.ecc_correctable_total is not None:
                 ecc.append(((node, uuid, "correctable"), r.ecc_correctable_total))
             if r.ecc_uncorrectable_total is not None:
@@ -409,11 +411,14 @@ class SnapshotCollector(Collector):
         ecc_fam.add_rows(ecc)
         remap_fam = _fam("gpu_remapped_rows_total")
         remap_fam.add_rows(remap)
+        throttle_fam = _fam("gpu_clock_throttle_seconds_total")
+        throttle_fam.add_rows(throttle)
         yield info
         yield up
         yield from gauges
         yield ecc_fam
         yield remap_fam
+        yield throttle_fam
         errs = _fam("gpu_read_errors_total")
         for (uuid, reason), n in sorted(st.read_errors.items()):
             errs.add_metric([node, uuid, reason], n)
