@@ -13,8 +13,6 @@ line below, where the collectors are listed.
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import structlog
@@ -86,7 +84,8 @@ def compose(
 ) -> Agent:
     """The agent from its parts: ``backend`` always; the kubelet's PodResources and the API
     server when given (tests and rigs leave them out)."""
-    health = HealthEngine(clock.wall, health_policy or HealthPolicy(clear_hold=cfg.fault_clear_seconds, stuck_after=cfg.stuck_reading_seconds))
+    health = HealthEngine(clock, health_policy or HealthPolicy(clear_hold=cfg.fault_clear_seconds,
+                                                               stuck_after=cfg.stuck_reading_seconds))
     # The agent's own CPU starvation is told apart from stuck device calls: a lag of half a
     # deadline is starvation, and one keeps the agent "starved" long enough for a call that
     # was only slow to come back once the agent runs again.
@@ -103,7 +102,7 @@ def compose(
     after_join: list[Collector[object]] = [ProcessCollector()] if cfg.per_process else []
     remediation = None
     if api is not None and cfg.taint_mode != TaintMode.OFF:
-        remediation = build_remediator(cfg, api, health, clock.wall, remediation_resync, discovery=discovery)
+        remediation = build_remediator(cfg, api, health, clock, remediation_resync, discovery=discovery)
     outputs = Outputs(
         health=health, starvation=starvation, renderer=Renderer(), usage=UsageAccountant(),
         # opened by Agent.start (serve=True) with the agent's probes, before the sources start
@@ -168,7 +167,7 @@ def build_remediator(
     cfg: Config,
     api: ApiClient,
     health: HealthEngine,
-    clock: Callable[[], float] = time.time,
+    clock: Clock = SYSTEM,
     resync: float = 30.0,
     *,
     watch: bool = True,
@@ -203,7 +202,7 @@ def build_remediator(
     # name) only while a fault domain wants a slot, written with optimistic concurrency.
     budget = budget or ClusterBudget(api, ns, taint_budget_max=cfg.taint_budget_max, clock=clock)
     return Remediator(
-        remediation_policy(cfg, resync), health, rules, EventRecorder(api, node), feed, kill, budget,
+        remediation_policy(cfg, resync), health, rules, EventRecorder(api, node, clock), feed, kill, budget,
         node_state=NodeState(api, ns, node) if node_state else None, boot=boot or read_boot_identity(), clock=clock,
         pods=PodFacts(api, claims=lambda: ClaimCache(api, discovery=discovery)),
     )

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
+from clock_helpers import ManualClock
 from kit_helpers import fetch, wait_until
 from prom_helpers import PROMTOOL
 from prometheus_client.parser import text_string_to_metric_families
@@ -214,7 +215,9 @@ class Events:
 
 def watch(grace: float = 60.0) -> tuple[EvictionWatch, Lookup, Events]:
     lookup, events = Lookup(), Events()
-    w = EvictionWatch(lookup, events, lambda name: {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceTaintRule", "name": name}, grace)
+    # (a clock whose wall and monotonic time agree: the pods' dates are the deadlines' instants)
+    ref = lambda name: {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceTaintRule", "name": name}  # noqa: E731
+    w = EvictionWatch(lookup, events, ref, grace, ManualClock(0.0))
     return w, lookup, events
 
 

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 
 import pytest
 import structlog
+from clock_helpers import ManualClock
 from kit_helpers import fetch, wait_until
 from load_helpers import Poller, parse, run_soak
 
@@ -306,8 +307,8 @@ def test_an_event_waiting_at_start_counts_against_the_gpu_of_its_mig_instance():
 def test_repeats_of_a_known_condition_are_summarised_not_logged_one_by_one():
     """The log side of a storm, with the engine's clock in hand: news is logged at once, repeats
     become one summary line per device and interval, and none is lost."""
-    t = [1_750_000_000.0]
-    engine = HealthEngine(lambda: t[0], HealthPolicy())
+    clock = ManualClock(1_750_000_000.0)
+    engine = HealthEngine(clock, HealthPolicy())
     g = DeviceIdentity(uuid="GPU-00000001-0000-4000-8000-000000000000", vendor=Vendor.NVIDIA, model="H100", pci_bus_id="0000:18:00.0", index=0, minor=0)
     reading = DeviceReading(uuid=g.uuid, recovery_action=RecoveryAction.NONE, row_remap_pending=False, row_remap_failure=False, retired_pages_pending=False, ecc_uncorrectable_total=0)
     engine.set_topology([g])
@@ -320,7 +321,7 @@ def test_repeats_of_a_known_condition_are_summarised_not_logged_one_by_one():
         assert news == [("xid_79", "fatal"), ("xid_13", "informational"), ("xid_13", "degraded")]
         assert logs[("info", "device_events_repeated")] == 0  # not yet: the interval has not passed
 
-        t[0] += HealthEngine.repeat_log_interval
+        clock.advance(HealthEngine.repeat_log_interval)
         engine.observe([g], {g.uuid: reading})  # a collection cycle tells what was held back
         (summary,) = [line for line in logs.lines if line["event"] == "device_events_repeated"]
         assert summary["uuid"] == g.uuid and summary["by_reason"] == {"xid_79": 1999, "xid_13": 1998} and summary["events"] == 3997

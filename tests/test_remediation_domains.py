@@ -100,7 +100,8 @@ class Rig:
     boot = BOOT
 
     def snapshot(self):
-        return join(JoinInputs(node=NODE, timestamp=self.clock(), identities=tuple(self.local), readings={}, health={}, slices=self.watcher.devices()))
+        return join(JoinInputs(node=NODE, timestamp=self.clock.wall(), identities=tuple(self.local), readings={},
+                               health={}, slices=self.watcher.devices()))
 
     def lost(self, i: int) -> None:
         """A collection cycle in which local device ``i`` is lost (NVML cannot reach it)."""
@@ -279,11 +280,11 @@ def test_on_a_4_gpu_node_a_second_gpu_failing_a_minute_later_is_evicted(make_rig
 
 def test_the_remediator_thread_raises_after_the_settle_window_by_itself(make_rig, tmp_path):
     """No further health change or cycle comes: the loop wakes when the raise is due."""
-    import time
+    from exporter.clock import SYSTEM
 
     slices, ids = plain_gpus(4)
     rig = make_rig(slices, ids, taint_settle_seconds=0.5, node_fault_window=0.5)
-    rig.clock = time.time  # the real clock, for the thread
+    rig.clock = SYSTEM  # the real clock, for the thread
     rig.restart()
     rig.rem.start()
     rig.xid(ids[2].uuid)

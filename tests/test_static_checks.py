@@ -1,12 +1,14 @@
 """Static checks the suite makes itself. ruff (`ruff check exporter drasim tests bench`) and
 `mypy --strict` (`mypy`), both configured in pyproject.toml, run before the suite in CI (.ci/run),
 not in it: they cost the suite minutes and say nothing about behaviour. Here: that CI runs them
-first, and that every log event is one literal snake_case name."""
+first, that every log event is one literal snake_case name, and that the product reads the wall
+clock only through its clock seam."""
 
 from __future__ import annotations
 
 import ast
 import re
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,3 +155,74 @@ def test_every_log_event_is_one_literal_snake_case_name() -> None:
         bad.extend(f"{where}: {name!r} is not snake_case" for name in names or () if not re.fullmatch(r"[a-z][a-z0-9_]*", name))
     assert not bad, "\n".join(bad)
     assert len(calls) >= 100, f"only {len(calls)} logging calls found: the walker no longer recognises the loggers"
+
+
+# ------------------------------------------------------------------ the clock seam (issue 30)
+
+_WALL_TIME = {"time", "time_ns"}  # of the time module
+_WALL_DATE = {"now", "utcnow", "today"}  # of datetime.datetime / datetime.date
+
+
+def _named(node: ast.expr, names: set[str]) -> bool:
+    return isinstance(node, ast.Name) and node.id in names
+
+
+def _wall_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, code) of every read of the wall clock in a module: ``time.time``/``time.time_ns``
+    (however the module is imported or renamed, called or passed on as a callable), and
+    ``datetime.now``/``utcnow``/``date.today`` on the datetime module's classes."""
+    time_mods, dt_mods, dt_classes = set(), set(), set()
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "time":
+                    time_mods.add(a.asname or "time")
+                elif a.name == "datetime":
+                    dt_mods.add(a.asname or "datetime")
+        elif isinstance(node, ast.ImportFrom) and node.module in ("time", "datetime"):
+            for a in node.names:
+                if node.module == "time" and a.name in _WALL_TIME:
+                    out.append((node.lineno, f"from time import {a.name}"))
+                elif node.module == "datetime" and a.name in ("datetime", "date"):
+                    dt_classes.add(a.asname or a.name)
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not isinstance(node.ctx, ast.Load):
+            continue
+        owner = node.value
+        dated = isinstance(owner, ast.Attribute) and owner.attr in ("datetime", "date") and _named(owner.value, dt_mods)
+        if (node.attr in _WALL_TIME and _named(owner, time_mods)) or (
+                node.attr in _WALL_DATE and (_named(owner, dt_classes) or dated)):
+            out.append((node.lineno, ast.unparse(node)))
+    return sorted(out)
+
+
+def test_no_wall_clock_read_in_the_product_outside_the_clock_seam() -> None:
+    """Every duration, window, hold and backoff is measured on a monotonic clock; the wall clock
+    is read in exporter/clock.py alone (``Clock.wall``), so a step of the node's clock (NTP, an
+    operator) can only move the dates the agent writes, never a timer (issue 30)."""
+    found = []
+    for p in sorted(ROOT.glob("exporter/**/*.py")):
+        rel = p.relative_to(ROOT).as_posix()
+        if rel == "exporter/clock.py":
+            continue
+        found += [f"{rel}:{line}: {code}" for line, code in _wall_reads(ast.parse(p.read_text(), filename=rel))]
+    assert not found, "read the wall clock through exporter.clock (a Clock's wall(), SYSTEM.wall):\n" + "\n".join(found)
+    seam = ast.parse((ROOT / "exporter" / "clock.py").read_text())
+    assert _wall_reads(seam) != [], "the walker no longer sees the seam's own read"
+
+
+def test_the_wall_clock_check_sees_every_spelling() -> None:
+    planted = textwrap.dedent("""
+        import time, time as t
+        import datetime as dt
+        from datetime import datetime
+        from time import time_ns
+        a = time.time() - 5
+        b = t.time_ns
+        c = dt.datetime.now(dt.UTC)
+        d = datetime.utcnow()
+        e = dt.date.today()
+        ok = time.monotonic() + time.perf_counter() + dt.datetime.fromtimestamp(0).timestamp()
+    """)
+    assert [line for line, _ in _wall_reads(ast.parse(planted))] == [5, 6, 7, 8, 9, 10]

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import enum
 import re
-import time
 from dataclasses import dataclass, field
+
+from ..clock import SYSTEM
 
 __all__ = [
     "DeviceEvent",
@@ -131,7 +132,7 @@ class DeviceReading:
     ok: bool = True
     error: ReadError | None = None
     error_detail: str = ""
-    timestamp: float = field(default_factory=time.time)
+    timestamp: float = field(default_factory=SYSTEM.wall)  # wall: nothing in the agent measures with it
 
     utilization_ratio: float | None = None
     memory_used_bytes: int | None = None
@@ -188,5 +189,5 @@ class DeviceEvent:
     uuid: str
     kind: EventKind
     code: int = 0  # XID number, recovery action value, ...
-    timestamp: float = field(default_factory=time.time)
+    timestamp: float = field(default_factory=SYSTEM.wall)  # wall: nothing in the agent measures with it
     detail: str = ""

@@ -24,8 +24,9 @@ escalation needs, so an XID storm costs no memory per event.
 A GPU that goes unhealthy again ``sticky_after`` times within ``sticky_window`` is *sticky*: it
 stays unhealthy until a person clears it (:meth:`HealthEngine.clear_sticky`).
 
-All times come from an injected clock (epoch seconds), so the demo can run faster than real
-time and tests need no sleeps.
+Every time here, a condition's ``since`` and ``last_seen`` included, is the injected clock's
+monotonic time (exporter/clock.py): a wall-clock step moves no hold or window. The demo runs
+that clock faster than real time, and tests move it by hand, so no test sleeps.
 
 Logs: an event that opens a condition or changes its tier is logged; repeats of a known
 condition are counted and logged as one summary line per device at most every
@@ -42,6 +43,7 @@ from typing import Any
 
 import structlog
 
+from ..clock import Clock
 from ..devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction
 from .model import Condition, DeviceHealth, Scope, Tier
 from .stuck import StuckReadings
@@ -107,7 +109,7 @@ Listener = Callable[[str], None]
 class HealthEngine:
     repeat_log_interval = 60.0  # seconds between summary lines for one device's repeated events
 
-    def __init__(self, clock: Callable[[], float], policy: HealthPolicy | None = None) -> None:
+    def __init__(self, clock: Clock, policy: HealthPolicy | None = None) -> None:
         self.clock = clock
         self.policy = policy or HealthPolicy()
         # Escalation only asks "were there N within the window?": the latest N times answer it.
@@ -168,7 +170,7 @@ class HealthEngine:
     # -- evidence ----------------------------------------------------------------------------
     def on_event(self, ev: DeviceEvent) -> None:
         """Called from a backend's event thread."""
-        now = self.clock()
+        now = self.clock.monotonic()
         reason, tier = "", None
         with self._lock:
             uuid, scope = self._target(ev)
@@ -223,7 +225,7 @@ class HealthEngine:
 
     def observe(self, identities: Iterable[DeviceIdentity], readings: Mapping[str, DeviceReading]) -> None:
         """Called once per cycle with the cycle's readings (full GPUs and instances)."""
-        now = self.clock()
+        now = self.clock.monotonic()
         changed: list[str] = []
         summaries: list[dict[str, Any]] = []
         with self._lock:
@@ -425,11 +427,11 @@ class HealthEngine:
 
     def health(self, uuid: str) -> DeviceHealth:
         with self._lock:
-            return self._health_locked(uuid, self.clock())
+            return self._health_locked(uuid, self.clock.monotonic())
 
     def all_health(self) -> dict[str, DeviceHealth]:
         with self._lock:
-            now = self.clock()
+            now = self.clock.monotonic()
             return {u: self._health_locked(u, now) for u in list(self._state)}
 
     def last_reset(self, uuid: str) -> float | None:
@@ -463,7 +465,7 @@ class HealthEngine:
         ``clear_hold``, and an event condition ages as a fresh one would. Evidence seen again
         merges with the restored condition (keeping the earlier ``since``)."""
         with self._lock:
-            now = self.clock()
+            now = self.clock.monotonic()
             if scope is None:
                 scope = Scope.INSTANCE if uuid in self._parents and reason.startswith("xid_") and xid_scope(_xid_code(reason)) == Scope.INSTANCE else Scope.GPU
             target = uuid if scope == Scope.INSTANCE else self._physical(uuid)

@@ -30,7 +30,7 @@ class Condition:
     uuid: str
     tier: Tier
     reason: str  # short, stable, label-safe: xid_79, gpu_lost, ecc_uncorrectable_growth, ...
-    since: float  # epoch seconds of first evidence
+    since: float  # first evidence: a monotonic instant (exporter/clock.py), to_wall where it leaves
     last_seen: float  # latest evidence: the last event, or when a polled state last (re)appeared
     evidence: str = ""  # human text for Events and annotations
     count: int = 1

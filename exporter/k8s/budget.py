@@ -50,6 +50,7 @@ from typing import Any
 
 import structlog
 
+from ..clock import SYSTEM, Clock
 from ..constants import API_TIMEOUT
 from .connection import ApiClient, ApiError, ApiUnavailable, get_json, request_json
 from .watch import Reflector
@@ -126,7 +127,7 @@ class ClusterBudget:
         *,
         taint_budget_max: int = 16,
         attempts: int = 16,
-        clock: Callable[[], float] = time.time,
+        clock: Clock = SYSTEM,  # its wall clock dates a slot; its waits are real time
         rng: Callable[[], float] = random.random,
         spread: float = SPREAD,
         watch_backoff: tuple[float, float] = (5.0, 120.0),
@@ -253,7 +254,7 @@ class ClusterBudget:
             with self._lock:
                 if key in self._waiting and time.monotonic() < self._not_before:
                     return False  # a slot is free: this holder's turn is still to come
-            data[key] = f"{self.clock():.0f}"
+            data[key] = f"{self.clock.wall():.0f}"  # a date for the people who read the object
             if not self._put(obj, data):
                 tried = _rv(obj)
                 continue

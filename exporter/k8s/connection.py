@@ -18,7 +18,6 @@ import email.utils
 import json
 import os
 import threading
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
+from ..clock import SYSTEM
 from ..text import one_line
 
 log = structlog.get_logger(__name__)
@@ -237,7 +237,8 @@ def _retry_after(headers: Mapping[str, str] | None) -> float | None:
         return max(0.0, float(value))
     except ValueError:
         parsed = email.utils.parsedate_to_datetime(value) if value else None
-        return max(0.0, parsed.timestamp() - time.time()) if parsed else None
+        # An HTTP-date: a wall date, turned into a delay once, as it is read.
+        return max(0.0, parsed.timestamp() - SYSTEM.wall()) if parsed else None
 
 
 def _error_from_response(status: int, http_reason: str, data: bytes, headers: Any) -> ApiError:

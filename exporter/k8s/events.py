@@ -4,21 +4,22 @@ Events about cluster-scoped objects (DeviceTaintRule, Node) go to the ``default`
 as the kubelet does for Node events; an Event about a namespaced object (a Pod that outstays
 its eviction) goes to that object's namespace, as the API server requires and where
 ``kubectl describe pod`` looks. Event names follow the kubelet convention
-``<regarding>.<hex nanoseconds>``. Failures to record an event are logged, never raised: an
-audit trail must not block remediation.
+``<regarding>.<hex nanoseconds>``, the nanoseconds of the Event's date on the node's wall clock
+(made unique within the process: a wall clock stepped back repeats dates). Failures to record
+an event are logged, never raised: an audit trail must not block remediation.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote
 
 import structlog
 
+from ..clock import SYSTEM, Clock
 from ..constants import API_TIMEOUT
 from .connection import ApiClient, ApiError, request_json
 from .names import REPORTING_CONTROLLER
@@ -30,10 +31,21 @@ def micro_time(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+_names_lock = threading.Lock()
+_last = [0]  # the latest name's nanoseconds
+
+
+def _name_ns(now: float) -> int:
+    """``now`` in nanoseconds, above every value handed out before in this process."""
+    with _names_lock:
+        _last[0] = max(int(now * 1e9), _last[0] + 1)
+        return _last[0]
+
+
 def build_event(
     *, regarding: Mapping[str, str], reason: str, note: str, action: str, type_: str, node: str, now: float, namespace: str = "default"
 ) -> dict[str, Any]:
-    name = f"{regarding.get('name', 'object')}.{time.time_ns():x}"[:253]
+    name = f"{regarding.get('name', 'object')}.{_name_ns(now):x}"[:253]
     return {
         "apiVersion": "events.k8s.io/v1",
         "kind": "Event",
@@ -50,8 +62,8 @@ def build_event(
 
 
 class EventRecorder:
-    def __init__(self, client: ApiClient, node: str) -> None:
-        self.client = client
+    def __init__(self, client: ApiClient, node: str, clock: Clock = SYSTEM) -> None:
+        self.client, self.clock = client, clock
         self.node = node
         self.sent = 0
         self.failed = 0
@@ -60,7 +72,7 @@ class EventRecorder:
     def record(self, regarding: Mapping[str, str], reason: str, note: str, action: str, warning: bool = False) -> dict[str, Any] | None:
         namespace = regarding.get("namespace") or "default"
         ev = build_event(regarding=regarding, reason=reason, note=note, action=action, type_="Warning" if warning else "Normal", node=self.node,
-                         now=time.time(), namespace=namespace)
+                         now=self.clock.wall(), namespace=namespace)
         try:
             out = request_json(self.client, "POST", f"/apis/events.k8s.io/v1/namespaces/{quote(namespace, safe='')}/events", body=ev, timeout=API_TIMEOUT)
         except ApiError as e:
@@ -71,10 +83,6 @@ class EventRecorder:
         with self._lock:
             self.sent += 1
         return out
-
-
-def node_ref(node: str) -> dict[str, str]:
-    return {"apiVersion": "v1", "kind": "Node", "name": node}
 
 
 def pod_ref(namespace: str, name: str, uid: str = "") -> dict[str, str]:

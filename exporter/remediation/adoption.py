@@ -9,10 +9,9 @@ the device again. The node's kill switch is read in the same step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import structlog
 
+from ..clock import Clock
 from .boot import BootIdentity
 from .plan import OwnedRule
 from .ports import HealthSource, Key, KillSwitch, RuleFeed
@@ -26,7 +25,7 @@ log = structlog.get_logger(__name__)
 class RuleSync:
     def __init__(
         self, feed: RuleFeed, kill: KillSwitch, record: OwnedRules, health: HealthSource, admin: AdminMemory, boot: BootIdentity,
-        clock: Callable[[], float],
+        clock: Clock,
     ) -> None:
         self.feed, self.kill, self.record, self.health, self.admin, self.boot, self.clock = feed, kill, record, health, admin, boot, clock
         self.kill_switch = False  # the node's label says "disabled"
@@ -40,7 +39,7 @@ class RuleSync:
             self.kill_switch = disabled
         if found is None:
             return []
-        sync = self.record.sync(found, self.feed.lags, self.clock())
+        sync = self.record.sync(found, self.feed.lags, self.clock.monotonic())
         for r in sync.unstuck:
             # A person took the sticky label off: the device is trusted again, and the rule
             # steps down like any other once the device is healthy.
@@ -55,7 +54,7 @@ class RuleSync:
         if sync.adopted:
             # What the rules stand for comes back into the health engine: a fatal rule waits for
             # a GPU reset, as it did before the restart, unless that reset is proven.
-            restore_health(self.health, sync.adopted, self.clock(), self.boot)
+            restore_health(self.health, sync.adopted, self.clock, self.boot)
         for r in sync.adopted:
             writer.adopted_event(r, "found carrying this agent's labels (agent restarted)")
             if r.sticky and r.uuid:
@@ -67,7 +66,7 @@ class RuleSync:
     def deleted_by_someone(self, key: Key, rule: OwnedRule) -> None:
         """Not recreated without new evidence (remembered across restarts); a sticky device
         counts as cleared by hand."""
-        self.admin.noticed(key, self.clock(), rule.reason)
+        self.admin.noticed(key, rule.reason)
         self._clear_sticky(rule)
 
     def _clear_sticky(self, rule: OwnedRule) -> None:

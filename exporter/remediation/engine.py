@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 
 import structlog
 
 from ..backoff import Backoff
+from ..clock import SYSTEM, Clock
 from ..config import TaintMode
 from ..k8s.connection import ApiError
 from ..k8s.taintrules import TaintRulesUnavailable
@@ -67,20 +67,20 @@ class Remediator:
         *,
         node_state: DeletionStore | None = None,
         boot: BootIdentity | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Clock = SYSTEM,
         pods: PodLookup | None = None,  # reads a pod that outstays its eviction (evictions.py)
     ) -> None:
         self.policy, self.health, self.rules, self.feed, self.kill, self.budget, self.clock = policy, health, rules, feed, kill_switch, budget, clock
         self.boot = boot or BootIdentity()
         self.record = OwnedRules()
-        self.admin = AdminMemory(node_state)
+        self.admin = AdminMemory(node_state, clock)
         self.sync = RuleSync(feed, kill_switch, self.record, health, self.admin, self.boot, clock)
         self.writer = RuleWriter(policy.node, policy.mode, rules, events, self.record, clock, policy.hold, self.boot.boot_id, self.sync.deleted_by_someone)
         self.notices = Notices(lambda note: self.writer.node_event("HealthRemediationSuppressed", note, "Taint", warning=True))
         self.refusals = Refusals()
         self.rails = SafetyRails(policy, budget)
         self.reconciler = Reconciler(policy, self.record, self.rails, self.writer, self.notices, self.refusals, self.admin)
-        self.evictions = EvictionWatch(pods, events, self.writer.ref, policy.eviction_grace)
+        self.evictions = EvictionWatch(pods, events, self.writer.ref, policy.eviction_grace, clock)
         self.ok = False
         self.last_error: str | None = None
         self.passes = 0  # good passes of the remediator thread (for tests and debugging)
@@ -154,7 +154,7 @@ class Remediator:
                 if not self._dirty:
                     wait = max(QUIET_PASS, self.policy.resync) if self._quiet else min(self.policy.interval, QUIET_PASS)
                     if self.rails.next_due is not None:  # a settling domain's raise is due then
-                        wait = max(0.0, min(wait, self.rails.next_due - self.clock() + 0.01))
+                        wait = max(0.0, min(wait, self.rails.next_due - self.clock.monotonic() + 0.01))
                     self._wake.wait(timeout=wait)
             if self._stop.is_set():
                 return
@@ -207,7 +207,7 @@ class Remediator:
             self._published = snap.published  # (while the slices are not listed, the last known ones)
         published = self._published
         gpus = [d.identity for d in snap.devices if not d.identity.is_partition] if snap is not None else []
-        now, health = self.clock(), self.health.all_health()
+        now, health = self.clock.monotonic(), self.health.all_health()
         keys = frozenset(d.key for d in published) if published is not None else None
         if self._targets[0] is not published:  # (the join keeps the same tuple while slices stand still)
             self._targets = (published, domains.targets(published or ()))

@@ -19,9 +19,10 @@ for such pods. What it finds decides:
   the taint for ever, the pod was created after the taint by a controller that keeps putting
   pods on the device (its claim stays allocated), or the pod is stuck terminating.
 
-One Event per pod (and per controller, for recreated pods) per episode: an episode is the time
-a rule stays NoExecute. The agent never deletes a pod itself. Pure bookkeeping plus the lookups
-and Events it is handed; it runs on the remediation thread only.
+Every deadline is a monotonic instant; a pod's deletion and creation dates (wall, from the API)
+are converted as they are read. One Event per pod (and per controller, for recreated pods) per
+episode: an episode is the time a rule stays NoExecute. The agent never deletes a pod itself.
+Pure bookkeeping plus the lookups and Events it is handed; it runs on the remediation thread only.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from ..clock import SYSTEM, Clock, from_wall
 from ..k8s.connection import ApiError
 from ..k8s.events import micro_time, pod_ref
 from ..k8s.model import ClaimInfo, PodInfo
@@ -76,8 +78,9 @@ class _Episode:
 
 
 class EvictionWatch:
-    def __init__(self, lookup: PodLookup | None, events: EventSink, rule_ref: Callable[[str], Mapping[str, str]], grace: float = GRACE) -> None:
-        self.lookup, self.events, self.rule_ref, self.grace = lookup, events, rule_ref, grace
+    def __init__(self, lookup: PodLookup | None, events: EventSink, rule_ref: Callable[[str], Mapping[str, str]],
+                 grace: float = GRACE, clock: Clock = SYSTEM) -> None:
+        self.lookup, self.events, self.rule_ref, self.grace, self.clock = lookup, events, rule_ref, grace, clock
         self._episodes: dict[Key, _Episode] = {}
         self.pending: tuple[PendingEvictionView, ...] = ()
         self.told: dict[str, int] = {}  # Events sent, by Overdue value (tests, debugging)
@@ -135,8 +138,9 @@ class EvictionWatch:
                 if pod is None:  # gone from the API; the kubelet has not let go yet
                     h.due = now + self.grace
                     return
-        if pod is not None and pod.deleting_at is not None and now < pod.deleting_at + self.grace:
-            h.due = pod.deleting_at + self.grace  # being evicted: its grace period runs
+        deleting = None if pod is None or pod.deleting_at is None else from_wall(self.clock, pod.deleting_at)
+        if deleting is not None and now < deleting + self.grace:
+            h.due = deleting + self.grace  # being evicted: its grace period runs
             return
         claim = self._claim(ns, h.claim)
         why, detail, wait_until = self._why(rule, ep, pod, claim, h)
@@ -184,7 +188,8 @@ class EvictionWatch:
                 return Overdue.UNKNOWN, tolerated, wait
         if pod is not None and pod.deleting_at is not None:
             return Overdue.TERMINATING, f"deleted at {micro_time(pod.deleting_at)} and still running (a finalizer, or a kubelet that cannot stop it)", None
-        if pod is not None and pod.controller is not None and pod.created_at is not None and pod.created_at > ep.since:
+        created = None if pod is None or pod.created_at is None else from_wall(self.clock, pod.created_at)
+        if pod is not None and pod.controller is not None and created is not None and created > ep.since:
             c = pod.controller
             return (Overdue.RECREATED,
                     f"created after the taint by its controller {c.kind}/{c.name}, which puts new pods on the device while their claim {h.claim} stays allocated", None)

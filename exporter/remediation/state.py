@@ -13,6 +13,10 @@
   holds. A condition that would ask for more than the rule has is not restored at all.
 * An admin's deletion of a rule (:class:`AdminMemory`) is remembered in the per-node state
   ConfigMap: a restarted agent does not undo it without new evidence.
+
+Time: a date read back (a rule's first-seen, a deletion's) becomes a monotonic instant once, as
+it is read (``from_wall``), never later than it can be (now; a deletion: this process's start),
+whatever a step of the wall clock while the agent was down did (docs/health-and-remediation.md, "Time").
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from ..clock import Clock, from_wall
 from ..devices.model import DeviceEvent, EventKind
 from ..health.model import DeviceHealth, Tier
 from ..k8s.connection import ApiError
@@ -43,12 +48,16 @@ def reset_proven(rule: OwnedRule, boot: BootIdentity) -> bool:
     return rule.tier == Tier.FATAL.value and rule.reset_required is False
 
 
-def restore_health(health: HealthSource, rules: Sequence[OwnedRule], now: float, boot: BootIdentity) -> int:
+def restore_health(health: HealthSource, rules: Sequence[OwnedRule], clock: Clock, boot: BootIdentity) -> int:
     """Re-create, in the health engine, the conditions adopted rules stand for (one per device
     and reason), then book the resets proven to have happened meanwhile, so those conditions
     clear after the clear time. A proven reset whose condition would ask for more than the rule
     has (a fatal fault only fenced, or a rule already stepping down) is not restored at all: the
-    reset is over, and a reset GPU is not newly evicted. Returns how many were restored."""
+    reset is over, and a reset GPU is not newly evicted. Returns how many were restored.
+
+    The first-seen date becomes a monotonic instant here, once; never later than now (a date
+    ahead of the clock is a step backwards while the agent was down: the fault counts as new)."""
+    now = clock.monotonic()
     done: set[tuple[str, str]] = set()
     reset: dict[str, str] = {}
     for r in rules:
@@ -62,7 +71,8 @@ def restore_health(health: HealthSource, rules: Sequence[OwnedRule], now: float,
             log.info("rule_released_on_adoption", rule=r.name, uuid=uuid, reason=r.reason, tier=r.tier, effect=r.effect)
             continue
         done.add((uuid, r.reason))
-        health.restore(uuid, r.reason, Tier(r.tier), r.first_seen or now, r.evidence, bool(r.reset_required))
+        since = now if r.first_seen is None else min(now, from_wall(clock, r.first_seen))
+        health.restore(uuid, r.reason, Tier(r.tier), since, r.evidence, bool(r.reset_required))
         log.info("health_restored_from_rule", rule=r.name, uuid=uuid, reason=r.reason, tier=r.tier, reset_required=r.reset_required, reset_proven=proven)
         if proven:
             reset[uuid] = r.name
@@ -74,7 +84,8 @@ def restore_health(health: HealthSource, rules: Sequence[OwnedRule], now: float,
 
 @dataclass(frozen=True)
 class AdminDeletion:
-    at: float  # when the agent noticed the deletion
+    at: float  # when the agent noticed the deletion: a monotonic instant
+    wall: float  # the same as a date, as stored in the ConfigMap
     reason: str = ""  # the condition the deleted rule stood for
     carried: bool = False  # read back from the ConfigMap: noticed by an earlier process
 
@@ -88,8 +99,9 @@ class AdminMemory:
     """Rules an admin deleted, by device key: not recreated without new evidence. Loaded once
     from the store, written only when the set changes."""
 
-    def __init__(self, store: DeletionStore | None) -> None:
-        self._store = store
+    def __init__(self, store: DeletionStore | None, clock: Clock) -> None:
+        self._store, self.clock = store, clock
+        self._started = clock.monotonic()  # a deletion read back happened before this process
         self._deleted: dict[Key, AdminDeletion] = {}
         self._loaded = store is None
 
@@ -99,11 +111,15 @@ class AdminMemory:
     def load_once(self) -> None:
         """Raises ApiError when the store cannot be read (the pass is retried)."""
         if not self._loaded and self._store is not None:
-            self._deleted.update({k: AdminDeletion(v.at, v.reason, carried=True) for k, v in self._store.load().items()})
+            # Noticed by an earlier process, so before this one started, whatever a step of the
+            # wall clock while the agent was down makes its date say.
+            for k, v in self._store.load().items():
+                at = min(self._started, from_wall(self.clock, v.at))
+                self._deleted[k] = AdminDeletion(at, v.at, v.reason, carried=True)
             self._loaded = True
 
-    def noticed(self, key: Key, at: float, reason: str) -> None:
-        self._deleted[key] = AdminDeletion(at, reason)
+    def noticed(self, key: Key, reason: str) -> None:
+        self._deleted[key] = AdminDeletion(self.clock.monotonic(), self.clock.wall(), reason)
         self._save()
 
     def forget(self, key: Key) -> None:
@@ -129,7 +145,7 @@ class AdminMemory:
         if self._store is None:
             return
         try:
-            self._store.save({k: Deletion(v.at, v.reason) for k, v in self._deleted.items()})
+            self._store.save({k: Deletion(v.wall, v.reason) for k, v in self._deleted.items()})
         except ApiError as e:
             # Kept in memory and written on the next change; only a restart meanwhile forgets.
             log.warning("node_state_not_saved", configmap=self._store.name, error=str(e))

@@ -10,7 +10,8 @@ What a rule records (annotations): the device and its fault domain, the scope, t
 evidence, when it was first seen, whether a GPU reset is required, and the node's boot. A create
 and a raise or refresh (new evidence) write the current boot; a step-down leaves it and writes
 ``reset-required: false`` (the device has been healthy for a hold: its reset was seen), so a
-restart under the same boot releases it as the previous process would have.
+restart under the same boot releases it as the previous process would have. Times here are
+monotonic (the health engine's); the first-seen annotation and Events carry wall dates.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from ..clock import Clock, to_wall
 from ..config import TaintMode
 from ..health.model import DeviceHealth, Tier
 from ..k8s.connection import ApiError
@@ -56,8 +58,8 @@ class Outcome:
 
 class RuleWriter:
     def __init__(
-        self, node: str, mode: TaintMode, api: RuleApi, events: EventSink, record: OwnedRules, clock: Callable[[], float], hold: float,
-        boot_id: str, on_gone: Callable[[Key, OwnedRule], None],
+        self, node: str, mode: TaintMode, api: RuleApi, events: EventSink, record: OwnedRules, clock: Clock,
+        hold: float, boot_id: str, on_gone: Callable[[Key, OwnedRule], None],
     ) -> None:
         self.node, self.mode, self.api, self.events, self.record = node, mode, api, events, record
         self.clock, self.hold, self.boot_id = clock, hold, boot_id
@@ -124,8 +126,9 @@ class RuleWriter:
             self.actions["dry_run"] += 1
             log.warning("taint_dry_run", rule=name, device=t.device, uuid=t.uuid, effect=d.effect, reason=d.reason)
             return None
+        seen = to_wall(self.clock, now if first is None else first)  # (the date a person reads)
         annotations = {names.UUID_ANNOTATION: t.uuid, names.GPU_ANNOTATION: t.domain, names.SCOPE_ANNOTATION: scope,
-                       names.FIRST_SEEN_ANNOTATION: micro_time(first or self.clock()), **self._record(d, fresh=True)}
+                       names.FIRST_SEEN_ANNOTATION: micro_time(seen), **self._record(d, fresh=True)}
         spec = RuleSpec(name, t.driver, t.pool, t.device, names.taint_key(d.tier), names.label_value(d.reason), d.effect,
                         self._labels(d.tier, d.sticky), annotations)
         try:
@@ -147,7 +150,7 @@ class RuleWriter:
         rule.uid = created.uid
         self.record.put(rule)
         if first is not None:
-            self.latency.observe(max(0.0, self.clock() - first))
+            self.latency.observe(max(0.0, self.clock.monotonic() - first))
         log.warning("rule_created", rule=name, device=t.device, uuid=t.uuid, gpu=t.domain, effect=d.effect, tier=d.tier, reason=d.reason, suppressed=d.suppressed or None)
         return Outcome(t, "GPUTainted", name, "", d.effect, d.tier, d.reason, d.evidence)
 
