@@ -78,6 +78,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import repeat
+from typing import Any
 
 from ..devices.model import DeviceIdentity, Vendor
 from .snapshot import Snapshot
@@ -316,6 +317,11 @@ Column = tuple[tuple[tuple[str, str], ...], tuple[float, ...]]
 Coefficients = tuple[Column, Column, float]  # claims, pods, the part attributed at all
 
 
+def _column(coef: Coefficients, kind: int) -> Column:
+    """The claims' (kind 0) or the pods' (1) column of ``coef``."""
+    return coef[1] if kind else coef[0]
+
+
 def _coefficients(splits: Iterable[DeviceSplit], time: bool) -> Coefficients:
     claims: dict[ClaimKey, float] = {}
     pods: dict[PodKey, float] = {}
@@ -430,7 +436,7 @@ class _Gpu:
     def __init__(self) -> None:
         self.mark: float | None = None
         self.since = 0.0  # the instant of the mark: every interval still waiting starts at or after it
-        self.window: list[list] = []
+        self.window: list[list[Any]] = []
         self.coef: Coefficients = _NONE  # the holders of the last cycle: they get the next interval
         self.planned: Coefficients | None = None  # the coefficients of the GPU's column in the plan
         self.slot = -1
@@ -585,10 +591,10 @@ class UsageAccountant:
                 g = gpus[uuid] = _Gpu()
             r = devices[i].reading
             ok = r is not None and r.ok
-            e = r.energy_joules if ok else None
+            e = r.energy_joules if r is not None and ok else None
             moved = e is not None and e >= 0.0 and e != g.mark
             if advance:
-                p = r.power_watts if ok else None
+                p = r.power_watts if r is not None and ok else None
                 if p is not None and p >= 0.0 and not math.isinf(p):  # NaN fails the >=
                     g.power = p
                 # an interval the counter covers alone needs no entry: the increase is all its
@@ -599,7 +605,7 @@ class UsageAccountant:
                         w[-1][2] += dt * g.power
                     else:
                         w.append([g.coef, dt, dt * g.power])
-            if moved:
+            if moved and e is not None:
                 if g.mark is None:
                     changed = True  # the first reading: a mark to count from (and a new source)
                 else:
@@ -684,10 +690,10 @@ class UsageAccountant:
                 book.seconds.update(zip(layout.plan.keys, seconds, strict=True))
         for coef, part in credits:
             for book, (keys, coefs) in zip(books, coef[:2], strict=False):
-                joules = book.joules
+                totals = book.joules
                 for k, c in zip(keys, coefs, strict=True):
-                    if k in joules:  # not dropped by the cap meanwhile
-                        joules[k] += c * part
+                    if k in totals:  # not dropped by the cap meanwhile
+                        totals[k] += c * part
         blocks_changed = self._retire(now) or self._blocks_touched
         self._blocks_touched = False
         live: list[_Gpu] = []
@@ -705,10 +711,10 @@ class UsageAccountant:
             keys = tuple(sorted(book.joules))
             if old is not None and keys == old[kind].plan.keys:
                 keys = old[kind].plan.keys  # the same tuple: the renderer keeps its labels
-            cols = (g.coef[kind] for g in live)
-            plan = _Plan(keys, book.joules, book.seconds, self._time_coef[kind], cols, len(live))
+            cols = (_column(g.coef, kind) for g in live)
+            plan = _Plan(keys, book.joules, book.seconds, _column(self._time_coef, kind), cols, len(live))
             blocks = old[kind].blocks if old is not None and not blocks_changed else tuple(
-                c for b in self._blocks if (c := b.cols[kind])[0]
+                col for b in self._blocks if (col := b.cols[kind])[0]
             )
             layouts.append(_Layout(blocks, plan))
         self._layouts = (layouts[0], layouts[1])
@@ -736,7 +742,9 @@ class UsageAccountant:
                     over -= len(drop)
                 book.forget(drop)
                 self._kept -= len(drop)
-                b.cols[kind] = b.cols[kind] if not drop else tuple(c[len(drop):] for c in b.cols[kind])
+                if drop:
+                    ks, js, secs = b.cols[kind]
+                    b.cols[kind] = (ks[len(drop):], js[len(drop):], secs[len(drop):])
             if not b.cols[0][0] and not b.cols[1][0]:
                 blocks.popleft()
             changed = True
