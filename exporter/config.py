@@ -460,6 +460,12 @@ POD_LABEL_ALLOWLIST: Flag[tuple[str, ...]] = Flag(
     help="pod labels exported on dra_pod_labels",
     doc="pod labels exported on `dra_pod_labels` (opt-in cardinality)",
 )
+KUBELET_DEVICE_HEALTH = Flag(
+    "kubelet-device-health", parse_bool, False, switch=True,
+    help="watch this node's pods for the kubelet's device health (KEP-4680) on dra_device_reported_health; needs pods list/watch",
+    doc="watch this node's pods and export the device health the kubelet reports in their status (KEP-4680) on "
+    "`dra_device_reported_health`, beside the agent's own; needs RBAC `list`/`watch` on pods (docs/deploy.md)",
+)
 EXCLUDE_METRICS: Flag[frozenset[str]] = Flag(
     "exclude-metrics", parse_exclude_metrics, frozenset(), metavar="NAME,GLOB",
     help="metrics never exported, by name or shell pattern (e.g. 'dra_claim_memory_*')",
@@ -559,7 +565,7 @@ TIME_SCALE = Flag(
 # the README table.
 FLAGS: tuple[Flag[Any], ...] = (
     LISTEN, INTERVAL, BACKEND, TAINT_MODE, LOG_FORMAT, LOG_LEVEL, CALL_TIMEOUT, PER_PROCESS, POD_LABEL_ALLOWLIST,
-    EXCLUDE_METRICS, DCGM_COMPAT_LABELS, TAINT_RATE_LIMIT, TAINT_BUDGET_FRACTION, TAINT_HOLD_SECONDS,
+    KUBELET_DEVICE_HEALTH, EXCLUDE_METRICS, DCGM_COMPAT_LABELS, TAINT_RATE_LIMIT, TAINT_BUDGET_FRACTION, TAINT_HOLD_SECONDS,
     TAINT_SETTLE_SECONDS, NODE_FAULT_WINDOW, EVICTION_GRACE_SECONDS, HUNG_AFTER, FAULT_CLEAR_SECONDS, STUCK_READING_SECONDS, WEB_CONFIG_FILE,
     NODE_NAME, KUBELET_SOCKET, KUBECONFIG, SCENARIO, TIME_SCALE,
 )
@@ -581,6 +587,7 @@ class Config:
     call_timeout: float = CALL_TIMEOUT.default
     per_process: bool = PER_PROCESS.default
     pod_label_allowlist: tuple[str, ...] = POD_LABEL_ALLOWLIST.default
+    kubelet_device_health: bool = KUBELET_DEVICE_HEALTH.default
     dcgm_compat_labels: bool = DCGM_COMPAT_LABELS.default
     exclude_metrics: frozenset[str] = EXCLUDE_METRICS.default
     taint_rate_limit: int = TAINT_RATE_LIMIT.default

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .model import AllocatedDevice, AttributeValue, ClaimInfo, DeviceToleration, OwnerRef, PodInfo, SliceDevice
+from .model import AllocatedDevice, AttributeValue, ClaimInfo, DeviceToleration, OwnerRef, PodInfo, ReportedHealth, SliceDevice
 
 T = TypeVar("T")
 
@@ -405,18 +405,21 @@ def _parse_pod(obj: Any) -> PodInfo:
     phase = _str(status.get("phase"), f"{where}: status.phase", required=False)
 
     claims: list[str] = []
+    named: dict[str, str] = {}  # the pod's name for a claim (spec.resourceClaims[].name) -> the claim's
 
-    def add(claim: Any, at: str) -> None:
+    def add(claim: Any, at: str, ref: Any = None) -> None:
         claim_name = _str(claim, at, required=False)
         if claim_name and claim_name not in claims:
             claims.append(claim_name)
+        if claim_name and isinstance(ref, str):
+            named[ref] = claim_name
 
     for i, rc in enumerate(_list(spec.get("resourceClaims"), f"{where}: spec.resourceClaims")):
         rc = _dict(rc, f"{where}: spec.resourceClaims[{i}]")
-        add(rc.get("resourceClaimName"), f"{where}: spec.resourceClaims[{i}].resourceClaimName")
+        add(rc.get("resourceClaimName"), f"{where}: spec.resourceClaims[{i}].resourceClaimName", rc.get("name"))
     for i, rcs in enumerate(_list(status.get("resourceClaimStatuses"), f"{where}: status.resourceClaimStatuses")):
         rcs = _dict(rcs, f"{where}: status.resourceClaimStatuses[{i}]")
-        add(rcs.get("resourceClaimName"), f"{where}: status.resourceClaimStatuses[{i}].resourceClaimName")
+        add(rcs.get("resourceClaimName"), f"{where}: status.resourceClaimStatuses[{i}].resourceClaimName", rcs.get("name"))
     ext = _dict(status.get("extendedResourceClaimStatus"), f"{where}: status.extendedResourceClaimStatus", required=False)
     extended = _str(ext.get("resourceClaimName"), f"{where}: status.extendedResourceClaimStatus.resourceClaimName", required=False)
     add(extended, f"{where}: status.extendedResourceClaimStatus.resourceClaimName")
@@ -441,4 +444,26 @@ def _parse_pod(obj: Any) -> PodInfo:
         controller=controller,
         created_at=_time(meta.get("creationTimestamp"), f"{where}: metadata.creationTimestamp"),
         deleting_at=_time(meta.get("deletionTimestamp"), f"{where}: metadata.deletionTimestamp"),
+        reported=_reported_health(status, named, where),
     )
+
+
+def _reported_health(status: dict[str, Any], named: dict[str, str], where: str) -> tuple[ReportedHealth, ...]:
+    """The kubelet's KEP-4680 health of the pod's DRA devices: ``status.containerStatuses[]
+    .allocatedResourcesStatus[]``, whose ``name`` is ``claim:<pod's claim name>`` or
+    ``claim:<name>/<request>`` for a DRA claim (kubelet pkg/kubelet/cm/dra/manager.go,
+    UpdateAllocatedResourcesStatus); device-plugin entries (a resource name) are not read."""
+    out: list[ReportedHealth] = []
+    for i, cs in enumerate(_list(status.get("containerStatuses"), f"{where}: status.containerStatuses")):
+        at = f"{where}: status.containerStatuses[{i}].allocatedResourcesStatus"
+        for j, rs in enumerate(_list(_dict(cs, f"{where}: status.containerStatuses[{i}]").get("allocatedResourcesStatus"), at)):
+            rs = _dict(rs, f"{at}[{j}]")
+            ref, _, request = _str(rs.get("name"), f"{at}[{j}].name").partition("/")
+            if not ref.startswith("claim:"):
+                continue
+            for k, rh in enumerate(_list(rs.get("resources"), f"{at}[{j}].resources")):
+                rh = _dict(rh, f"{at}[{j}].resources[{k}]")
+                out.append(ReportedHealth(named.get(ref[len("claim:"):], ""), request,
+                                          _str(rh.get("resourceID"), f"{at}[{j}].resources[{k}].resourceID"),
+                                          _str(rh.get("health"), f"{at}[{j}].resources[{k}].health", required=False) or "Unknown"))
+    return tuple(out)

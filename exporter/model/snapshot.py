@@ -89,6 +89,17 @@ class PublishedDevice(NamedTuple):
         return (self.driver, self.pool, self.device)
 
 
+class ReportedDevice(NamedTuple):
+    """A DRA device of this node with the health the kubelet reports for it (KEP-4680, from its
+    pods' status: exporter/k8s/podhealth.py); ``uuid`` is the local device it resolves to, "" for none."""
+
+    driver: str
+    pool: str
+    device: str
+    uuid: str
+    health: str  # Healthy | Unhealthy | Unknown
+
+
 @dataclass(frozen=True)
 class Snapshot:
     node: str
@@ -102,6 +113,8 @@ class Snapshot:
     # this node's published DRA devices, sorted by key; None while the slices are not listed
     published: tuple[PublishedDevice, ...] | None = None
     monotonic: float = 0.0  # the cycle's instant on the agent's monotonic clock (exporter/clock.py)
+    # the kubelet's health per device, sorted by key; None unless --kubelet-device-health (series absent)
+    reported: tuple[ReportedDevice, ...] | None = None
 
     def device(self, uuid: str) -> DeviceView | None:
         for d in self.devices:

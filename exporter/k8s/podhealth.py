@@ -1,0 +1,153 @@
+"""The kubelet's word on this node's DRA devices (KEP-4680), read from its pods, beside ours.
+
+With ``--kubelet-device-health`` the agent watches this node's pods (:class:`PodWatcher`:
+``fieldSelector=spec.nodeName=<node>``, the index the kubelet's own pod watch uses; one open
+watch at rest, no polling) and reads what the kubelet wrote into each container's
+``status.allocatedResourcesStatus``: per claim, the health its driver streams to the kubelet
+(``Healthy``, ``Unhealthy``, ``Unknown``). The same watch then serves ``--per-process`` and
+``--pod-label-allowlist``: one read of the node's pods, not two.
+
+Matching an entry to a device follows the kubelet's own code (pkg/kubelet/cm/dra/manager.go,
+``buildResourceHealth``): the ``resourceID`` is the device's *first CDI device id* when its
+driver returned any, and ``<driver>/<pool>/<device>`` only when it returned none. So:
+
+* ``<driver>/<pool>/<device>`` (no ``=``: a CDI id is always ``vendor/class=name``) names the
+  device itself (a pool may hold slashes; a driver and a device name cannot);
+* a CDI id names no DRA device. The entry's ResourceStatus names the claim and request
+  (``claim:<name>[/<request>]``), and the kubelet lists exactly the devices of that request
+  there; when the allocation gives that request one device, the entry is that device. When it
+  gives several, the entry is not matched (counted, never guessed): drivers may hand every
+  device of a claim the same first CDI id (NVIDIA's ``k8s.gpu.nvidia.com/device=all``), which
+  the kubelet then reports once, for whichever device it met first.
+
+A device held by several pods takes the worst report (Unhealthy, then Unknown, then Healthy).
+Finished pods are skipped: the kubelet no longer updates their status (kubernetes#132978).
+This is evidence to show beside the agent's verdict, never an input to it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import structlog
+
+from ..collect import Collector, Degraded, Gathered, Slot, SourceStats
+from .collectors import CLAIMS, PODS, watch_stats
+from .connection import ApiClient
+from .model import ClaimInfo, PodInfo
+from .parse import ParseError, parse_pod
+from .watch import Reflector, _name_of
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["REPORTED", "PodWatcher", "ReportedHealthCollector", "reported_health"]
+
+DeviceKey = tuple[str, str, str]  # (driver, pool, device)
+HEALTH_RANK = {"Healthy": 0, "Unknown": 1, "Unhealthy": 2}
+
+#: the kubelet's health per DRA device of this node; absent unless --kubelet-device-health
+REPORTED: Slot[Mapping[DeviceKey, str]] = Slot("kubelet_health")
+
+
+class PodWatcher(Reflector[PodInfo]):
+    """List+watch of this node's pods (``fieldSelector=spec.nodeName=<node>``), keyed
+    ``namespace/name``. Also a pod source for labels and per-process attribution (``list``)."""
+
+    kind = "pods"
+
+    def __init__(self, client: ApiClient, node_name: str, **kw: Any) -> None:
+        if not node_name:
+            raise ValueError("PodWatcher needs a node name")
+        super().__init__(client, group="", resource="pods", label=node_name, field_selector=f"spec.nodeName={node_name}", **kw)
+        self.node_name = node_name
+
+    def list(self, force: bool = False) -> list[PodInfo]:
+        return list(self.items().values())
+
+    def _key_of(self, obj: Any) -> str:
+        name = _name_of(obj)
+        return f"{obj['metadata'].get('namespace', '')}/{name}" if name else ""
+
+    def _parse(self, obj: Any, version: str) -> PodInfo | None:
+        try:
+            return parse_pod(obj)
+        except ParseError as exc:
+            log.warning("pods_malformed", node=self.node_name, error=str(exc))
+            return None
+
+    def _keep(self, item: PodInfo) -> bool:
+        return item.node_name in ("", self.node_name)
+
+
+def _device_of(resource_id: str) -> DeviceKey | None:
+    """``<driver>/<pool>/<device>``, or None for a CDI id (``vendor/class=name``)."""
+    driver, _, rest = resource_id.partition("/")
+    pool, _, device = rest.rpartition("/")
+    return (driver, pool, device) if "=" not in resource_id and driver and pool and device else None
+
+
+def _only_device(claim: ClaimInfo | None, request: str) -> DeviceKey | None:
+    """The one device the claim's allocation gives the request (any request when ""), or None.
+    The kubelet compares a device's request with the container's without a subrequest part."""
+    if claim is None:
+        return None
+    base = request.partition("/")[0]
+    found = {(d.driver, d.pool, d.device) for d in claim.devices if not base or d.request.partition("/")[0] == base}
+    return found.pop() if len(found) == 1 else None
+
+
+def reported_health(pods: Iterable[PodInfo], claims: Mapping[tuple[str, str], ClaimInfo]) -> tuple[dict[DeviceKey, str], int]:
+    """(device -> the worst health the kubelet reports for it, entries matched to no device)."""
+    out: dict[DeviceKey, str] = {}
+    unmatched = 0
+    for pod in pods:
+        if pod.phase in ("Succeeded", "Failed"):
+            continue
+        for r in pod.reported:
+            key = _device_of(r.resource_id) or _only_device(claims.get((pod.namespace, r.claim)), r.request)
+            if key is None or r.health not in HEALTH_RANK:
+                unmatched += 1
+            elif HEALTH_RANK[r.health] >= HEALTH_RANK.get(out.get(key, "Healthy"), 0):
+                out[key] = r.health
+    return out, unmatched
+
+
+class ReportedHealthCollector(Collector[Mapping[DeviceKey, str]]):
+    """The kubelet's health per device, from the watched pods and the cycle's claims (runs
+    after the claims collector). Owns the pod watch's life. No data before the first list."""
+
+    FIRST_LIST_WAIT = 2.0  # seconds the first cycle waits for the initial list
+
+    def __init__(self, watcher: PodWatcher) -> None:
+        super().__init__(REPORTED)
+        self.watcher = watcher
+        self.unmatched = 0  # entries of the last cycle matched to no device (see the module docstring)
+        self._last: dict[DeviceKey, str] = {}
+
+    def start(self) -> None:
+        self.watcher.start()
+
+    def await_first(self, deadline: float) -> None:
+        self.watcher.wait_synced(max(0.0, min(deadline - time.monotonic(), self.FIRST_LIST_WAIT)))
+
+    def collect(self, found: Gathered) -> Mapping[DeviceKey, str]:
+        w = self.watcher
+        if not w.synced:
+            raise RuntimeError(f"Pods not listed yet{': ' + w.last_error if w.last_error else ''}")
+        pods = found.get(PODS) if found.fresh(PODS) else None  # the same watch, already copied this cycle
+        out, unmatched = reported_health(w.list() if pods is None else pods, found.get(CLAIMS) or {})
+        out = self._last = self._last if out == self._last else out  # the same object while nothing moved
+        if unmatched != self.unmatched:
+            log.info("kubelet_health_unmatched", node=w.node_name, entries=unmatched)
+            self.unmatched = unmatched
+        if w.last_error:
+            raise Degraded(f"Pod watch: {w.last_error}", out)
+        return out
+
+    def stop(self) -> None:
+        self.watcher.stop()
+
+    def stats(self) -> SourceStats:
+        return watch_stats(self.watcher.stats)
