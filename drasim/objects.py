@@ -265,7 +265,9 @@ def pod_object(sc: Scenario, p: PodSpec) -> dict[str, Any]:
     }
 
 
-def pod_with_reported_health(sc: Scenario, p: PodSpec, health: dict[str, str], cdi: dict[str, str] | None = None) -> dict[str, Any]:
+def pod_with_reported_health(
+    sc: Scenario, p: PodSpec, health: dict[str, str], cdi: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """The pod as the kubelet updates its status when the driver streams device health (KEP-4680):
     ``health`` maps a scenario device ref to Healthy|Unhealthy|Unknown. Per container and claim one
     ``allocatedResourcesStatus`` entry named ``claim:<pod's claim name>``, its ``resourceID`` the
@@ -279,9 +281,11 @@ def pod_with_reported_health(sc: Scenario, p: PodSpec, health: dict[str, str], c
         entries = []
         for cn in ct.claims:
             c = next(c for c in sc.claims if c.namespace == p.namespace and c.name == cn)
-            ids = {(cdi or {}).get(ref) or f"{DRIVER}/{sc.node}/{device_name(sc, ref)}": health[ref] for ref in reversed(c.devices) if ref in health}
+            ids = {(cdi or {}).get(ref) or f"{DRIVER}/{sc.node}/{device_name(sc, ref)}": health[ref]
+                   for ref in reversed(c.devices) if ref in health}  # (reversed: a shared id keeps the first's)
             if ids:
-                entries.append({"name": f"claim:{cn}", "resources": [{"resourceID": i, "health": h} for i, h in reversed(ids.items())]})
+                resources = [{"resourceID": i, "health": h} for i, h in reversed(ids.items())]
+                entries.append({"name": f"claim:{cn}", "resources": resources})
         st: dict[str, Any] = {"name": ct.name, "ready": True, "restartCount": 0, "image": "registry.example/sim:1",
                               "imageID": "", "started": True, "state": {"running": {}}}
         if entries:

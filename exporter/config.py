@@ -462,7 +462,8 @@ POD_LABEL_ALLOWLIST: Flag[tuple[str, ...]] = Flag(
 )
 KUBELET_DEVICE_HEALTH = Flag(
     "kubelet-device-health", parse_bool, False, switch=True,
-    help="watch this node's pods for the kubelet's device health (KEP-4680) on dra_device_reported_health; needs pods list/watch",
+    help="watch this node's pods for the kubelet's device health (KEP-4680) on dra_device_reported_health; "
+    "needs pods list/watch",
     doc="watch this node's pods and export the device health the kubelet reports in their status (KEP-4680) on "
     "`dra_device_reported_health`, beside the agent's own; needs RBAC `list`/`watch` on pods (docs/deploy.md)",
 )
@@ -565,7 +566,8 @@ TIME_SCALE = Flag(
 # the README table.
 FLAGS: tuple[Flag[Any], ...] = (
     LISTEN, INTERVAL, BACKEND, TAINT_MODE, LOG_FORMAT, LOG_LEVEL, CALL_TIMEOUT, PER_PROCESS, POD_LABEL_ALLOWLIST,
-    KUBELET_DEVICE_HEALTH, EXCLUDE_METRICS, DCGM_COMPAT_LABELS, TAINT_RATE_LIMIT, TAINT_BUDGET_FRACTION, TAINT_HOLD_SECONDS,
+    KUBELET_DEVICE_HEALTH,
+    EXCLUDE_METRICS, DCGM_COMPAT_LABELS, TAINT_RATE_LIMIT, TAINT_BUDGET_FRACTION, TAINT_HOLD_SECONDS,
     TAINT_SETTLE_SECONDS, NODE_FAULT_WINDOW, EVICTION_GRACE_SECONDS, HUNG_AFTER, FAULT_CLEAR_SECONDS, STUCK_READING_SECONDS, WEB_CONFIG_FILE,
     NODE_NAME, KUBELET_SOCKET, KUBECONFIG, SCENARIO, TIME_SCALE,
 )

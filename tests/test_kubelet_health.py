@@ -45,7 +45,8 @@ HEALTH = {"gpu0": "Healthy", "gpu1": "Unhealthy", "gpu2": "Unknown", "gpu3": "Un
 # gpu1's driver returned a CDI id (the kubelet then writes that, not driver/pool/device): its claim
 # has one device, so the id is that device's. gpu3 and gpu4 share NVIDIA's "device=all" id, which
 # the kubelet lists once: it names neither, and is not guessed.
-CDI = {"gpu1": "k8s.gpu.nvidia.com/claim=6a1c-gpu-1", "gpu3": "k8s.gpu.nvidia.com/device=all", "gpu4": "k8s.gpu.nvidia.com/device=all"}
+CDI = {"gpu1": "k8s.gpu.nvidia.com/claim=6a1c-gpu-1",
+       "gpu3": "k8s.gpu.nvidia.com/device=all", "gpu4": "k8s.gpu.nvidia.com/device=all"}
 
 
 def reported_pods(sc, health=HEALTH):
@@ -66,19 +67,22 @@ def _pod(claims, statuses, phase="Running"):
     return {"metadata": {"name": "p", "namespace": "ns", "uid": "u"},
             "spec": {"nodeName": "n", "containers": [{"name": "c"}],
                      "resourceClaims": [{"name": ref, "resourceClaimTemplateName": "t"} for ref in claims]},
-            "status": {"phase": phase, "resourceClaimStatuses": [{"name": ref, "resourceClaimName": name} for ref, name in claims.items()],
+            "status": {"phase": phase,
+                       "resourceClaimStatuses": [{"name": r, "resourceClaimName": n} for r, n in claims.items()],
                        "containerStatuses": [{"name": "c", "allocatedResourcesStatus": statuses}]}}
 
 
 def test_resource_ids_match_as_the_kubelet_writes_them():
     claims = {
         ("ns", "p-gpus-x7"): ClaimInfo("ns", "p-gpus-x7", devices=(
-            AllocatedDevice("big/a", "gpu.example.com", "pool", "d0"), AllocatedDevice("small", "gpu.example.com", "pool", "d1"),
+            AllocatedDevice("big/a", "gpu.example.com", "pool", "d0"),
+            AllocatedDevice("small", "gpu.example.com", "pool", "d1"),
             AllocatedDevice("small", "gpu.example.com", "pool", "d2"))),
     }
     entries = [
         # <driver>/<pool>/<device>: a pool may hold slashes, the driver and the device cannot
-        {"name": "claim:gpus/small", "resources": [{"resourceID": "gpu.example.com/rack-1/node-a/d9", "health": "Unhealthy"}]},
+        {"name": "claim:gpus/small",
+         "resources": [{"resourceID": "gpu.example.com/rack-1/node-a/d9", "health": "Unhealthy"}]},
         # a CDI id for a request the allocation gives one device (a subrequest counts as its request)
         {"name": "claim:gpus/big", "resources": [{"resourceID": "vendor.example/gpu=x", "health": "Unknown"}]},
         # a CDI id for a request with two devices, and for the whole claim: not matched
@@ -94,7 +98,8 @@ def test_resource_ids_match_as_the_kubelet_writes_them():
     pod = parse_pod(_pod({"gpus": "p-gpus-x7"}, entries))
     assert len(pod.reported) == 7 and pod.reported[0].claim == "p-gpus-x7" and pod.reported[1].request == "big"
     health, unmatched = reported_health([pod], claims)
-    assert health == {("gpu.example.com", "rack-1/node-a", "d9"): "Unhealthy", ("gpu.example.com", "pool", "d0"): "Unknown",
+    assert health == {("gpu.example.com", "rack-1/node-a", "d9"): "Unhealthy",
+                      ("gpu.example.com", "pool", "d0"): "Unknown",
                       ("gpu.example.com", "pool", "d2"): "Unhealthy"}
     assert unmatched == 3
     # a finished pod's status is no longer updated by the kubelet: not evidence
@@ -112,7 +117,8 @@ def node():
 
 
 def _reported(url):
-    return {lab["device"]: (lab["health"], lab["uuid"], lab["pool"]) for lab, v in scrape_samples(url).get("dra_device_reported_health", []) if v == 1}
+    rows = scrape_samples(url).get("dra_device_reported_health", [])
+    return {lab["device"]: (lab["health"], lab["uuid"], lab["pool"]) for lab, v in rows if v == 1}
 
 
 def test_the_kubelets_word_is_exported_beside_ours_and_never_taken_for_it(node):
@@ -130,7 +136,8 @@ def test_the_kubelets_word_is_exported_beside_ours_and_never_taken_for_it(node):
     assert ours[node.uuid("gpu1")] == 1 and ours[node.uuid("gpu2")] == 1
     # the kubelet writes a new status: the watch brings it, no poll
     node.api.apply(objects.pod_with_reported_health(sc, sc.pods[0], {**HEALTH, "gpu1": "Healthy"}, CDI))
-    wait_until(lambda: _reported(url).get(node.device_name("gpu1"), ("",))[0] == "Healthy", timeout=30, message="the update")
+    wait_until(lambda: _reported(url).get(node.device_name("gpu1"), ("",))[0] == "Healthy",
+               timeout=30, message="the update")
     assert {lab["uuid"]: v for lab, v in scrape_samples(url)["gpu_healthy"]}[node.uuid("gpu0")] == 0
     # every read of the pods is this node's: a watch and its list, by field selector
     pods = [r for r in node.api.requests if r.path.rstrip("/") == "/api/v1/pods"]
@@ -148,7 +155,8 @@ def test_off_by_default_no_series_and_no_pod_reads(node):
 
 def test_the_chart_grants_the_pod_watch_only_with_its_value():
     def pod_verbs(values):
-        roles = [d for d in render_docs(values) if d and d.get("kind") == "ClusterRole" and d["metadata"]["name"] == "dra-gpu-exporter"]
+        roles = [d for d in render_docs(values)
+                 if d and d.get("kind") == "ClusterRole" and d["metadata"]["name"] == "dra-gpu-exporter"]
         return sorted(v for r in roles[0]["rules"] if "pods" in r["resources"] for v in r["verbs"])
 
     def env(values):

@@ -29,7 +29,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .model import AllocatedDevice, AttributeValue, ClaimInfo, DeviceToleration, OwnerRef, PodInfo, ReportedHealth, SliceDevice
+from .model import (
+    AllocatedDevice,
+    AttributeValue,
+    ClaimInfo,
+    DeviceToleration,
+    OwnerRef,
+    PodInfo,
+    ReportedHealth,
+    SliceDevice,
+)
 
 T = TypeVar("T")
 
@@ -418,8 +427,9 @@ def _parse_pod(obj: Any) -> PodInfo:
         rc = _dict(rc, f"{where}: spec.resourceClaims[{i}]")
         add(rc.get("resourceClaimName"), f"{where}: spec.resourceClaims[{i}].resourceClaimName", rc.get("name"))
     for i, rcs in enumerate(_list(status.get("resourceClaimStatuses"), f"{where}: status.resourceClaimStatuses")):
-        rcs = _dict(rcs, f"{where}: status.resourceClaimStatuses[{i}]")
-        add(rcs.get("resourceClaimName"), f"{where}: status.resourceClaimStatuses[{i}].resourceClaimName", rcs.get("name"))
+        at = f"{where}: status.resourceClaimStatuses[{i}]"
+        rcs = _dict(rcs, at)
+        add(rcs.get("resourceClaimName"), f"{at}.resourceClaimName", rcs.get("name"))
     ext = _dict(status.get("extendedResourceClaimStatus"), f"{where}: status.extendedResourceClaimStatus", required=False)
     extended = _str(ext.get("resourceClaimName"), f"{where}: status.extendedResourceClaimStatus.resourceClaimName", required=False)
     add(extended, f"{where}: status.extendedResourceClaimStatus.resourceClaimName")
@@ -455,15 +465,17 @@ def _reported_health(status: dict[str, Any], named: dict[str, str], where: str) 
     UpdateAllocatedResourcesStatus); device-plugin entries (a resource name) are not read."""
     out: list[ReportedHealth] = []
     for i, cs in enumerate(_list(status.get("containerStatuses"), f"{where}: status.containerStatuses")):
+        cs = _dict(cs, f"{where}: status.containerStatuses[{i}]")
         at = f"{where}: status.containerStatuses[{i}].allocatedResourcesStatus"
-        for j, rs in enumerate(_list(_dict(cs, f"{where}: status.containerStatuses[{i}]").get("allocatedResourcesStatus"), at)):
+        for j, rs in enumerate(_list(cs.get("allocatedResourcesStatus"), at)):
             rs = _dict(rs, f"{at}[{j}]")
             ref, _, request = _str(rs.get("name"), f"{at}[{j}].name").partition("/")
             if not ref.startswith("claim:"):
                 continue
+            claim = named.get(ref[len("claim:"):], "")
             for k, rh in enumerate(_list(rs.get("resources"), f"{at}[{j}].resources")):
-                rh = _dict(rh, f"{at}[{j}].resources[{k}]")
-                out.append(ReportedHealth(named.get(ref[len("claim:"):], ""), request,
-                                          _str(rh.get("resourceID"), f"{at}[{j}].resources[{k}].resourceID"),
-                                          _str(rh.get("health"), f"{at}[{j}].resources[{k}].health", required=False) or "Unknown"))
+                rat = f"{at}[{j}].resources[{k}]"
+                rh = _dict(rh, rat)
+                health = _str(rh.get("health"), f"{rat}.health", required=False) or "Unknown"
+                out.append(ReportedHealth(claim, request, _str(rh.get("resourceID"), f"{rat}.resourceID"), health))
     return tuple(out)

@@ -60,7 +60,8 @@ class PodWatcher(Reflector[PodInfo]):
     def __init__(self, client: ApiClient, node_name: str, **kw: Any) -> None:
         if not node_name:
             raise ValueError("PodWatcher needs a node name")
-        super().__init__(client, group="", resource="pods", label=node_name, field_selector=f"spec.nodeName={node_name}", **kw)
+        selector = f"spec.nodeName={node_name}"
+        super().__init__(client, group="", resource="pods", label=node_name, field_selector=selector, **kw)
         self.node_name = node_name
 
     def list(self, force: bool = False) -> list[PodInfo]:
@@ -98,7 +99,9 @@ def _only_device(claim: ClaimInfo | None, request: str) -> DeviceKey | None:
     return found.pop() if len(found) == 1 else None
 
 
-def reported_health(pods: Iterable[PodInfo], claims: Mapping[tuple[str, str], ClaimInfo]) -> tuple[dict[DeviceKey, str], int]:
+def reported_health(
+    pods: Iterable[PodInfo], claims: Mapping[tuple[str, str], ClaimInfo],
+) -> tuple[dict[DeviceKey, str], int]:
     """(device -> the worst health the kubelet reports for it, entries matched to no device)."""
     out: dict[DeviceKey, str] = {}
     unmatched = 0
