@@ -146,10 +146,11 @@ def _api_collectors(cfg: Config, api: ApiClient, discovery: Discovery) -> list[C
     # The kubelet's device health comes from a watch of the node's pods, which then also serves
     # labels and per-process attribution (one read of the pods, not a list beside a watch).
     watched = PodWatcher(api, cfg.node_name) if cfg.kubelet_device_health else None
-    if cfg.per_process or cfg.pod_label_allowlist:
+    pods = bool(cfg.per_process or cfg.pod_label_allowlist)
+    if pods:
         out.append(PodCollector(watched or NodePods(api, cfg.node_name), deadline))
     if watched is not None:
-        out.append(ReportedHealthCollector(watched))
+        out.append(ReportedHealthCollector(watched, counted=not pods))
     return out
 
 

@@ -123,7 +123,8 @@ def _reported(url):
 
 def test_the_kubelets_word_is_exported_beside_ours_and_never_taken_for_it(node):
     sc = node.scenario
-    agent = node.start_agent(interval=0.1, call_timeout=1.0, kubelet_device_health=True)
+    # pod labels want the node's pods too: the one watch serves both
+    agent = node.start_agent(interval=0.1, call_timeout=1.0, kubelet_device_health=True, pod_label_allowlist=("app",))
     url = agent.server.url
     expected = {node.device_name("gpu0"): ("Healthy", node.uuid("gpu0"), sc.node),
                 node.device_name("gpu1"): ("Unhealthy", node.uuid("gpu1"), sc.node),
@@ -139,10 +140,13 @@ def test_the_kubelets_word_is_exported_beside_ours_and_never_taken_for_it(node):
     wait_until(lambda: _reported(url).get(node.device_name("gpu1"), ("",))[0] == "Healthy",
                timeout=30, message="the update")
     assert {lab["uuid"]: v for lab, v in scrape_samples(url)["gpu_healthy"]}[node.uuid("gpu0")] == 0
-    # every read of the pods is this node's: a watch and its list, by field selector
+    # every read of the pods is this node's: one list and its watch, by field selector, counted once
     pods = [r for r in node.api.requests if r.path.rstrip("/") == "/api/v1/pods"]
-    assert any(r.watch for r in pods) and any(not r.watch for r in pods)
+    assert any(r.watch for r in pods) and len([r for r in pods if not r.watch]) == 1
     assert {r.query.get("fieldSelector") for r in pods} == {f"spec.nodeName={sc.node}"}
+    counted = {(lab["source"], lab["verb"]): v for lab, v in scrape_samples(url)["dra_gpu_exporter_source_requests_total"]}
+    assert counted[("pods", "list")] == 1 and counted[("pods", "watch")] >= 1
+    assert not [k for k in counted if k[0] == "kubelet_health"]
 
 
 def test_off_by_default_no_series_and_no_pod_reads(node):

@@ -123,9 +123,10 @@ class ReportedHealthCollector(Collector[Mapping[DeviceKey, str]]):
 
     FIRST_LIST_WAIT = 2.0  # seconds the first cycle waits for the initial list
 
-    def __init__(self, watcher: PodWatcher) -> None:
+    def __init__(self, watcher: PodWatcher, *, counted: bool = True) -> None:
         super().__init__(REPORTED)
         self.watcher = watcher
+        self.counted = counted  # False: the pods collector shares the watch and counts its requests
         self.unmatched = 0  # entries of the last cycle matched to no device (see the module docstring)
         self._last: dict[DeviceKey, str] = {}
 
@@ -152,5 +153,5 @@ class ReportedHealthCollector(Collector[Mapping[DeviceKey, str]]):
     def stop(self) -> None:
         self.watcher.stop()
 
-    def stats(self) -> SourceStats:
-        return watch_stats(self.watcher.stats)
+    def stats(self) -> SourceStats | None:
+        return watch_stats(self.watcher.stats) if self.counted else None
