@@ -144,7 +144,8 @@ def test_the_kubelets_word_is_exported_beside_ours_and_never_taken_for_it(node):
     pods = [r for r in node.api.requests if r.path.rstrip("/") == "/api/v1/pods"]
     assert any(r.watch for r in pods) and len([r for r in pods if not r.watch]) == 1
     assert {r.query.get("fieldSelector") for r in pods} == {f"spec.nodeName={sc.node}"}
-    counted = {(lab["source"], lab["verb"]): v for lab, v in scrape_samples(url)["dra_gpu_exporter_source_requests_total"]}
+    requests = scrape_samples(url)["dra_gpu_exporter_source_requests_total"]
+    counted = {(lab["source"], lab["verb"]): v for lab, v in requests}
     assert counted[("pods", "list")] == 1 and counted[("pods", "watch")] >= 1
     assert not [k for k in counted if k[0] == "kubelet_health"]
 
