@@ -1,4 +1,4 @@
-"""Benchmarks for the README's Performance section. Not tests: numbers, printed as a table.
+"""Benchmarks for docs/performance.md. Not tests: numbers, printed as a table.
 
     python bench/run.py [scrape] [cycle] [gzip] [nvml] [xid] [soak] [series]   (default: all)
     python bench/run.py soak --cycles 10000
@@ -526,7 +526,7 @@ def bench_series() -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="Benchmarks for the README's Performance section.")
+    ap = argparse.ArgumentParser(description="Benchmarks for docs/performance.md.")
     ap.add_argument("which", nargs="*", metavar="BENCH", help="scrape, scrape-attack, cycle, gzip, nvml, xid, soak, series (default: all but scrape-attack)")
     ap.add_argument("--cycles", type=int, default=10000, help="soak: cycles between the two RSS readings")
     ap.add_argument("--requests", type=int, default=2000, help="scrape: requests per concurrency level")

@@ -1,7 +1,7 @@
 """Every metric the exporter serves: name, type, labels and help, in one place.
 
-The renderer builds its families from this table and a test checks that README's metric
-reference lists exactly these names, so the documentation cannot drift from the code.
+The renderer builds its families from this table and a test checks that the metric
+reference (docs/metrics.md) lists exactly these names, so the documentation cannot drift from the code.
 Every series also carries ``node``; it is added by the renderer and not repeated here.
 """
 
@@ -69,7 +69,7 @@ CATALOG: tuple[MetricDef, ...] = (
     _m("dra_claim_memory_total_bytes", "gauge", "namespace,claim", "Memory size, summed over the claim's memory pools (devices sharing one pool, such as an AMD GPU's NPS1 partitions, count it once)"),
     _m("dra_claim_power_watts", "gauge", "namespace,claim", "Power summed over the claim's full GPUs (MIG instances have no power of their own)"),
     _m("dra_claim_healthy", "gauge", "namespace,claim", "0 if any device of the claim is unhealthy"),
-    # billing (exporter/model/usage.py; README "Billing model")
+    # billing (exporter/model/usage.py; docs/billing.md)
     _m("dra_claim_energy_joules_total", "counter", "namespace,claim", "Energy of the claim's share of its devices, integrated from the GPUs' energy counters (MIG: compute-slice part of the GPU; AMD partitions: 1/N)"),
     _m("dra_claim_device_seconds_total", "counter", "namespace,claim", "Allocated device-time: seconds the claim held its devices, each weighted by its part of a physical GPU and split equally with other claims on the same device"),
     _m("dra_pod_energy_joules_total", "counter", "namespace,pod", "Energy of the pod's share of the devices it holds (through claims or the device plugin)"),

@@ -1,10 +1,10 @@
 """Command-line and environment configuration: one table of flags, and what it generates.
 
 Each flag is one row of :data:`FLAGS` (name, parser and validation, default, the demo's default
-where it differs, help text, README meaning). The row generates its argparse argument, its
+where it differs, help text, the reference's meaning). The row generates its argparse argument, its
 environment variable ``DRA_GPU_EXPORTER_<FLAG>`` (upper case, dashes as underscores), its
-``Config`` default and its line in the README's configuration table
-(``python tools/readme_config.py`` rewrites that table; tests/test_readme_config.py keeps it equal).
+``Config`` default and its line in the configuration reference (docs/configuration.md)
+(``python tools/config_reference.py`` rewrites that table; tests/test_readme_config.py keeps it equal).
 
 A flag on the command line wins over the environment. Bad values end the program with one clear
 line and exit code 2 (argparse's convention), never a traceback.
@@ -190,7 +190,9 @@ def parse_exclude_metrics(value: str, flag: str = "--exclude-metrics") -> frozen
             continue
         hits = fnmatch.filter(BY_NAME, pattern)
         if not hits:
-            raise ConfigError(f"{flag}: {pattern!r} matches no metric (names as in the README's metric table, e.g. dra_claim_pods or 'gpu_*_clock_hertz')")
+            raise ConfigError(
+                f"{flag}: {pattern!r} matches no metric (names as in docs/metrics.md, e.g. dra_claim_pods or 'gpu_*_clock_hertz')"
+            )
         out.update(hits)
     return frozenset(out)
 
@@ -338,7 +340,7 @@ def parse_kubeconfig(value: str, flag: str = "--kubeconfig") -> str:
 
 
 def _show(value: object) -> str:
-    """A default as --help and the README write it."""
+    """A default as --help and docs/configuration.md write it."""
     if value is None or value in ((), frozenset(), ""):
         return "none"
     if isinstance(value, bool):
@@ -356,14 +358,14 @@ def _host_port(hp: tuple[str, int]) -> str:
 
 @dataclass(frozen=True)
 class Flag(Generic[T]):
-    """One flag: everything the command line, the environment, ``Config`` and the README say
+    """One flag: everything the command line, the environment, ``Config`` and docs/configuration.md say
     about it."""
 
     name: str  # "call-timeout": --call-timeout, DRA_GPU_EXPORTER_CALL_TIMEOUT, Config.call_timeout
     parse: Callable[[str, str], T]  # (text, "--call-timeout") -> value; ConfigError names the flag
     default: T  # Config's default
     help: str  # --help, without the default (added)
-    doc: str  # the README's "meaning" column (Markdown)
+    doc: str  # docs/configuration.md's "meaning" column (Markdown)
     metavar: str | None = None
     demo: T | None = None  # the demo's default, where it differs from the agent's
     demo_parse: Callable[[str, str], T] | None = None  # the demo's parser, where it differs
@@ -433,7 +435,7 @@ BACKEND = Flag(
 TAINT_MODE = Flag(
     "taint-mode", Choice(tuple(m.value for m in TaintMode), TaintMode), TaintMode.ENFORCE,
     help="remediation mode",
-    doc="remediation mode (see below)",
+    doc="remediation mode (see [Health and remediation](health-and-remediation.md), \"Modes\")",
 )
 LOG_FORMAT = Flag(
     "log-format", Choice(("auto", "json", "console"), str), "auto",
@@ -470,8 +472,9 @@ KUBELET_DEVICE_HEALTH = Flag(
 EXCLUDE_METRICS: Flag[frozenset[str]] = Flag(
     "exclude-metrics", parse_exclude_metrics, frozenset(), metavar="NAME,GLOB",
     help="metrics never exported, by name or shell pattern (e.g. 'dra_claim_memory_*')",
-    doc="metrics never exported, by name or shell pattern (`'dra_claim_memory_*'`); a pattern that matches no metric is an error. "
-    "The cardinality control: each `dra_claim_*` family costs one series per claim (see Performance)",
+    doc="metrics never exported, by name or shell pattern (`'dra_claim_memory_*'`); a pattern that matches no metric is an "
+    "error. The cardinality control: each `dra_claim_*` family costs one series per claim "
+    "(see [Performance](performance.md#series-budget))",
 )
 DCGM_COMPAT_LABELS = Flag(
     "dcgm-compat-labels", parse_bool, False, switch=True,
@@ -530,8 +533,9 @@ STUCK_READING_SECONDS = Flag(
 WEB_CONFIG_FILE: Flag[str | None] = Flag(
     "web-config-file", parse_web_config_file, None, metavar="PATH",
     help="TLS, client-certificate and basic-auth settings for the HTTP endpoint, in the Prometheus exporter-toolkit format",
-    doc="TLS (certificates re-read when they change), client certificates, bcrypt basic auth and response headers for the HTTP endpoint, "
-    "in the Prometheus exporter-toolkit's format (see [docs/deploy.md](docs/deploy.md#tls-and-authentication)); a bad file is exit 2 with one line",
+    doc="TLS (certificates re-read when they change), client certificates, bcrypt basic auth and response headers for the "
+    "HTTP endpoint, in the Prometheus exporter-toolkit's format (see [docs/deploy.md](deploy.md#tls-and-authentication)); "
+    "a bad file is exit 2 with one line",
 )
 NODE_NAME = Flag(
     "node-name", parse_node_name, "", commands=(AGENT,), metavar="NAME", fallback_env="NODE_NAME",
@@ -553,8 +557,8 @@ KUBECONFIG: Flag[str | None] = Flag(
 SCENARIO = Flag(
     "scenario", parse_scenario, "mixed-node", commands=(DEMO,), metavar="FILE|NAME",
     help="scenario file (YAML or JSON) or a bundled scenario's name (see --list-scenarios)",
-    doc="the demo's node: a scenario file (YAML or JSON, format in [docs/scenarios.md](docs/scenarios.md)) or a bundled scenario by the name "
-    "`--list-scenarios` prints",
+    doc="the demo's node: a scenario file (YAML or JSON, format in [docs/scenarios.md](scenarios.md)) or a bundled "
+    "scenario by the name `--list-scenarios` prints",
 )
 TIME_SCALE = Flag(
     "time-scale", Number(0.01, 10000), 1.0, commands=(DEMO,), metavar="X",
@@ -563,7 +567,7 @@ TIME_SCALE = Flag(
 )
 
 # The order of --help, of validation (with several bad values, the first is reported) and of
-# the README table.
+# the configuration reference.
 FLAGS: tuple[Flag[Any], ...] = (
     LISTEN, INTERVAL, BACKEND, TAINT_MODE, LOG_FORMAT, LOG_LEVEL, CALL_TIMEOUT, PER_PROCESS, POD_LABEL_ALLOWLIST,
     KUBELET_DEVICE_HEALTH,
@@ -699,7 +703,7 @@ def _given(ns: argparse.Namespace, flag: Flag[Any]) -> tuple[str | None, str | N
 
 
 # --------------------------------------------------------------------------------------------
-# The README's configuration table (tools/readme_config.py writes it into README.md)
+# The configuration reference's table (tools/config_reference.py writes it into docs/configuration.md)
 # --------------------------------------------------------------------------------------------
 
 
@@ -708,7 +712,7 @@ def _md_code(text: str) -> str:
 
 
 def readme_table() -> str:
-    """The Markdown table of every flag, as the README's "## Configuration" shows it."""
+    """The Markdown table of every flag, as docs/configuration.md shows it."""
     rows = ["| flag | default | meaning |", "|---|---|---|"]
     for f in FLAGS:
         syntax = f.metavar or "|".join(f.choices)

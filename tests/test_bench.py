@@ -1,7 +1,7 @@
 """The benchmark command keeps working: `bench/run.py --quick` runs every benchmark at tiny sizes.
 
-No numbers are judged here (performance lives in bench/ and the README); this only proves the
-documented command runs end to end and reports every measurement the README's table quotes.
+No numbers are judged here (performance lives in bench/ and docs/performance.md); this only proves the
+documented command runs end to end and reports every measurement docs/performance.md's table quotes.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def test_quick_benchmark_run_reports_every_measurement(tmp_path: Path) -> None:
     assert 0 < soak["rss_start_mb"] <= soak["peak_rss_mb"]
     assert r["series"]["lean (--exclude-metrics)"] < r["series"]["default"] < r["series"]["with pod labels"] < r["series"]["dcgm-compat labels"]
     assert r["machine"]["quick"] is True
-    # the printed table names each part (the README quotes this output)
+    # the printed table names each part (docs/performance.md quotes this output)
     assert "scrape:" in done.stdout and "soak, agent alone" in done.stdout and "cycle, agent alone" in done.stdout
 
 

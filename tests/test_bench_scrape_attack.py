@@ -1,5 +1,5 @@
 """`bench/run.py scrape-attack --quick` runs end to end (numbers are not judged here: they live in
-the README, measured on a named machine)."""
+docs/performance.md, measured on a named machine)."""
 
 from __future__ import annotations
 

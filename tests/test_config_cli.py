@@ -191,7 +191,9 @@ def test_parse_interval_rejects(text):
         (["--taint-budget-fraction", "1.5"], {}, "--taint-budget-fraction"),
         (["--pod-label-allowlist", "bad key!"], {}, "not a valid label key"),
         (["--exclude-metrics", "gpu_up,dra_claim_pod"], {}, "--exclude-metrics: 'dra_claim_pod' matches no metric"),
-        ([], {"EXCLUDE_METRICS": "claims_*"}, "matches no metric (names as in the README's metric table, e.g. dra_claim_pods or 'gpu_*_clock_hertz') (from DRA_GPU_EXPORTER_EXCLUDE_METRICS)"),
+        ([], {"EXCLUDE_METRICS": "claims_*"},
+         "matches no metric (names as in docs/metrics.md, e.g. dra_claim_pods or 'gpu_*_clock_hertz') "
+         "(from DRA_GPU_EXPORTER_EXCLUDE_METRICS)"),
         (["--node-name", "Not_A_Node"], {}, "not a valid Kubernetes node name"),
         (["--kubeconfig", "/nonexistent/kubeconfig"], {}, "--kubeconfig /nonexistent/kubeconfig: no such file"),
         (["demo", "--scenario", "/nonexistent/scenario.yaml"], {}, "--scenario /nonexistent/scenario.yaml: no such file"),

@@ -811,7 +811,7 @@ def _expected(flag: str, value: str, from_env: bool) -> Any:
             return int(v) if v == int(v) else None  # a count of rules: a whole number
         return v
     if flag == "backend" and value == "sim":
-        return None  # the agent refuses it: the simulated backend is the demo's (README flag table)
+        return None  # the agent refuses it: the simulated backend is the demo's (docs/configuration.md)
     if flag in CHOICES:
         v = value.lower() if flag == "log-level" and from_env else value
         return v if v in CHOICES[flag] else None

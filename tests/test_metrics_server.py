@@ -111,7 +111,7 @@ def test_metrics_values_and_every_series_has_node():
     assert value(body, "dra_gpu_exporter_remediation_active", mode="enforce") == 0  # no Kubernetes API: no rules
     for s in samples(body):
         assert s.labels.get("node") == "node-t", s
-    # every family served is in the catalog (README documents the catalog)
+    # every family served is in the catalog (docs/metrics.md documents the catalog)
     for fam in text_string_to_metric_families(body.decode()):
         assert fam.name in BY_NAME or fam.name + "_total" in BY_NAME, fam.name
 
@@ -340,7 +340,7 @@ def test_promtool_finds_nothing(tmp_path, dcgm_compat):
     assert {"dra_device_allocation_info", "dra_claim_devices", "gpu_utilization_ratio", "dra_pod_labels"} <= names
     assert value(body, "dra_gpu_exporter_collector_success", collector="kubelet") == 1
     if not dcgm_compat:
-        # labels are exactly the catalog's (plus node), so the README reference is the truth
+        # labels are exactly the catalog's (plus node), so the docs/metrics.md reference is the truth
         for fam in text_string_to_metric_families(body.decode()):
             d = BY_NAME.get(fam.name) or BY_NAME.get(fam.name + "_total")
             if fam.name == "dra_pod_labels":

@@ -1,7 +1,9 @@
-"""The README is part of the contract: its metric reference and its two commands."""
+"""The README is part of the contract: its two commands, its demo sample and its metric families at a
+glance; the metric reference (docs/metrics.md) with them."""
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from pathlib import Path
 
@@ -9,13 +11,24 @@ import pytest
 
 from exporter.catalog import CATALOG
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+REPO = Path(__file__).resolve().parent.parent
+README = (REPO / "README.md").read_text()
+METRICS = (REPO / "docs" / "metrics.md").read_text()
 
 
 def test_metric_reference_matches_the_code() -> None:
-    section = README.split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    section = METRICS.split("## Every family", 1)[1].split("\n## ", 1)[0]
     documented = re.findall(r"^\| `([a-z_]+)` \| (\w+) \|", section, flags=re.M)
     assert [(n, k) for n, k in documented] == [(m.name, m.kind) for m in CATALOG]
+
+
+def test_the_readme_glance_names_only_families_that_exist() -> None:
+    section = README.split("## Metric families at a glance", 1)[1].split("\n## ", 1)[0]
+    names = {m.name for m in CATALOG}
+    named = re.findall(r"`((?:gpu|dra)_[a-z_*]+)`", section)
+    assert len(named) > 20
+    stale = [n for n in named if not fnmatch.filter(names, n)]
+    assert not stale, f"README's metric glance names families that do not exist: {stale}"
 
 
 def test_readme_opens_with_exactly_two_commands() -> None:
@@ -24,7 +37,7 @@ def test_readme_opens_with_exactly_two_commands() -> None:
     assert first_block[0].endswith("dra-gpu-exporter demo")
     assert "pytest" in first_block[1]
     # .ci/run must run the README's test command verbatim
-    ci = (Path(__file__).resolve().parent.parent / ".ci" / "run").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
     assert first_block[1] in ci
 
 

@@ -1,6 +1,6 @@
 """The flag table (exporter/config.py, FLAGS) is the one place a flag is written: its argparse
-argument, its DRA_GPU_EXPORTER_ variable, its Config default, the demo's default and the README's
-configuration table all come from its row. These tests hold each of those to the row."""
+argument, its DRA_GPU_EXPORTER_ variable, its Config default, the demo's default and the
+configuration reference (docs/configuration.md) all come from its row. These tests hold each of those to the row."""
 
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ import pytest
 from exporter.config import AGENT, DEMO, ENV_PREFIX, FLAGS, Config, TaintMode, build_parser, readme_table, resolve
 
 REPO = Path(__file__).resolve().parent.parent
-REGENERATE = "run `.venv/bin/python tools/readme_config.py` to rewrite the README's table from the flag table"
+DOC = REPO / "docs" / "configuration.md"
+REGENERATE = "run `.venv/bin/python tools/config_reference.py` to rewrite docs/configuration.md's table from the flags"
 
 
 def _tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("readme_config", REPO / "tools" / "readme_config.py")
+    spec = importlib.util.spec_from_file_location("config_reference", REPO / "tools" / "config_reference.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -35,25 +36,25 @@ def clean_env(monkeypatch):
             monkeypatch.delenv(k)
 
 
-# ------------------------------------------------------------------ the README
+# ------------------------------------------------------------------ the configuration reference
 
 
 def test_readme_configuration_table_is_the_flag_table() -> None:
-    readme = (REPO / "README.md").read_text()
+    readme = DOC.read_text()
     tool = _tool()
     start, end = tool.table_span(readme)
-    assert readme[start:end] == readme_table(), f"README.md's configuration table differs from the flag table: {REGENERATE}"
+    assert readme[start:end] == readme_table(), f"docs/configuration.md's table differs from the flag table: {REGENERATE}"
 
 
 def test_the_tool_rewrites_a_stale_table_and_nothing_else() -> None:
     tool = _tool()
-    readme = (REPO / "README.md").read_text()
+    readme = DOC.read_text()
     start, end = tool.table_span(readme)
     rows = readme[start:end].splitlines(True)
     # a row lost, a default edited by hand, a row added by hand
     stale = readme[:start] + "".join(rows[:3] + rows[4:]).replace("`0.0.0.0:9402`", "`0.0.0.0:9400`") + "| `--old` | x | y |\n" + readme[end:]
     assert tool.with_table(stale) == tool.with_table(readme)
-    assert tool.with_table(readme)[:start] == readme[:start]  # the prose is the README's own
+    assert tool.with_table(readme)[:start] == readme[:start]  # the prose is the document's own
     assert tool.with_table(readme)[start + len(readme_table()) :] == readme[end:]
 
 
@@ -158,5 +159,6 @@ def test_help_states_each_default() -> None:
 def test_the_tool_checks_the_committed_readme() -> None:
     import subprocess
 
-    r = subprocess.run([sys.executable, str(REPO / "tools" / "readme_config.py"), "--check"], capture_output=True, text=True, timeout=120)
+    tool = str(REPO / "tools" / "config_reference.py")
+    r = subprocess.run([sys.executable, tool, "--check"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr + "\n" + REGENERATE

@@ -185,7 +185,7 @@ def test_a_storm_of_60_faults_against_a_budget_of_8_costs_each_agent_a_few_reque
                 return len(noexecute(server)) == BUDGET
 
             # A waiting agent's watch shows the free slot; it asks at its random turn within the
-            # spread (5 s); the bound stated in the README is the spread plus one pass.
+            # spread (5 s); the bound stated in docs/health-and-remediation.md is the spread plus one pass.
             wait_until(one_more_raised, timeout=120, interval=0.2, message="a waiting agent raised into the freed slot")
             watcher.stop()
             assert watcher.most_slots <= BUDGET and watcher.most_ne <= BUDGET

@@ -1,11 +1,11 @@
-"""The series budget (README, Performance, "Series budget") holds for the two benchmark nodes.
+"""The series budget (docs/performance.md, "Series budget") holds for the two benchmark nodes.
 
-The README states a ceiling of series per physical GPU, per GPU partition, per claim, per pod and
-per node. This test reads those ceilings from the README, runs the real agent (production wiring,
+docs/performance.md states a ceiling of series per physical GPU, per GPU partition, per claim, per pod and
+per node. This test reads those ceilings from that document, runs the real agent (production wiring,
 billing counters included) on the benchmark's 8-GPU node and its dense node (bench/run.py:
 `eight_gpus`, `big_scenario`), scrapes its /metrics over HTTP after two cycles, sorts every
 series into those kinds by its family, and fails when a kind is over its ceiling: a change that
-adds series has to change the stated budget first. The README's worked totals for both nodes are
+adds series has to change the stated budget first. Its worked totals for both nodes are
 checked against the ceilings too.
 """
 
@@ -27,7 +27,7 @@ from drasim.scenario import parse_scenario
 from exporter.config import TaintMode
 
 REPO = Path(__file__).resolve().parent.parent
-README = REPO / "README.md"
+PERFORMANCE = REPO / "docs" / "performance.md"
 KINDS = ("physical GPU", "GPU partition", "claim", "pod", "node")
 
 
@@ -41,18 +41,18 @@ def bench_run() -> ModuleType:
 
 
 def section() -> str:
-    return README.read_text().split("### Series budget", 1)[1].split("\n#", 1)[0]
+    return PERFORMANCE.read_text().split("## Series budget", 1)[1].split("\n#", 1)[0]
 
 
 def ceilings() -> dict[str, tuple[int, int, int]]:
-    """kind -> (series each, per device held, per container and device) from the README's table."""
+    """kind -> (series each, per device held, per container and device) from docs/performance.md's table."""
     out = {}
     for line in section().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 2 and cells[0] in KINDS and re.search(r"\d", cells[1]):
             nums = [int(n) for n in re.findall(r"\d+", cells[1])]
             out[cells[0]] = (nums + [0, 0])[:3] if cells[0] == "pod" else (nums[0], 0, 0)
-    assert set(out) == set(KINDS), f"README's series budget table names {sorted(out)}"
+    assert set(out) == set(KINDS), f"docs/performance.md's series budget table names {sorted(out)}"
     return out
 
 
@@ -131,4 +131,4 @@ def test_the_readmes_worked_totals_follow_from_the_ceilings() -> None:
         cells = [x.strip() for x in line.strip().strip("|").split("|")]
         gpus, parts, claims, pods, held, budget = (int(x.replace(",", "")) for x in cells[1:7])
         want = c["physical GPU"][0] * gpus + c["GPU partition"][0] * parts + c["claim"][0] * claims + (c["pod"][0] + (c["pod"][1] + c["pod"][2]) * held) * pods + c["node"][0]
-        assert budget == want, f"README: {cells[0]} budget {budget}, the ceilings make {want}"
+        assert budget == want, f"docs/performance.md: {cells[0]} budget {budget}, the ceilings make {want}"

@@ -1,6 +1,6 @@
 """Billing counters (exporter/model/usage.py): weights, shares, integration, churn, retention.
 
-Examples for each rule of the billing model (README "Billing model"), then a property test over
+Examples for each rule of the billing model (docs/billing.md), then a property test over
 random sequences of cycles (allocations that come and go, MIG and AMD partitions, device-plugin
 pods, energy counters that grow, reset, go missing or are unsupported, per-process memory or
 none) against a naive reference: every split's parts add up to 1, counters never decrease, every
