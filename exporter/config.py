@@ -467,7 +467,8 @@ KUBELET_DEVICE_HEALTH = Flag(
     help="watch this node's pods for the kubelet's device health (KEP-4680) on dra_device_reported_health; "
     "needs pods list/watch",
     doc="watch this node's pods and export the device health the kubelet reports in their status (KEP-4680) on "
-    "`dra_device_reported_health`, beside the agent's own; needs RBAC `list`/`watch` on pods (docs/deploy.md)",
+    "`dra_device_reported_health`, beside the agent's own; needs RBAC `list`/`watch` on pods "
+    "(see [Deploying](deploy.md#kubelet-reported-device-health))",
 )
 EXCLUDE_METRICS: Flag[frozenset[str]] = Flag(
     "exclude-metrics", parse_exclude_metrics, frozenset(), metavar="NAME,GLOB",
