@@ -1,28 +1,15 @@
 """The kubelet's word on this node's DRA devices (KEP-4680), read from its pods, beside ours.
 
-With ``--kubelet-device-health`` the agent watches this node's pods (:class:`PodWatcher`:
-``fieldSelector=spec.nodeName=<node>``, the index the kubelet's own pod watch uses; one open
-watch at rest, no polling) and reads what the kubelet wrote into each container's
-``status.allocatedResourcesStatus``: per claim, the health its driver streams to the kubelet
-(``Healthy``, ``Unhealthy``, ``Unknown``). The same watch then serves ``--per-process`` and
-``--pod-label-allowlist``: one read of the node's pods, not two.
-
-Matching an entry to a device follows the kubelet's own code (pkg/kubelet/cm/dra/manager.go,
-``buildResourceHealth``): the ``resourceID`` is the device's *first CDI device id* when its
-driver returned any, and ``<driver>/<pool>/<device>`` only when it returned none. So:
-
-* ``<driver>/<pool>/<device>`` (no ``=``: a CDI id is always ``vendor/class=name``) names the
-  device itself (a pool may hold slashes; a driver and a device name cannot);
-* a CDI id names no DRA device. The entry's ResourceStatus names the claim and request
-  (``claim:<name>[/<request>]``), and the kubelet lists exactly the devices of that request
-  there; when the allocation gives that request one device, the entry is that device. When it
-  gives several, the entry is not matched (counted, never guessed): drivers may hand every
-  device of a claim the same first CDI id (NVIDIA's ``k8s.gpu.nvidia.com/device=all``), which
-  the kubelet then reports once, for whichever device it met first.
-
-A device held by several pods takes the worst report (Unhealthy, then Unknown, then Healthy).
-Finished pods are skipped: the kubelet no longer updates their status (kubernetes#132978).
-This is evidence to show beside the agent's verdict, never an input to it.
+With ``--kubelet-device-health`` the agent watches this node's pods (:class:`PodWatcher`,
+``fieldSelector=spec.nodeName=<node>`` like the kubelet's own pod watch; it then also serves
+``--per-process`` and ``--pod-label-allowlist``) and reads each container's
+``status.allocatedResourcesStatus``. An entry's ``resourceID`` is what the kubelet writes
+(pkg/kubelet/cm/dra/manager.go, ``buildResourceHealth``): the device's first CDI id when its
+driver returned any, else ``<driver>/<pool>/<device>``. The latter names the device; a CDI id
+(``vendor/class=name``) names none, so it is matched only where the entry's claim request has one
+device, never guessed: drivers may give a claim's devices one shared first CDI id (NVIDIA's
+``k8s.gpu.nvidia.com/device=all``), which the kubelet lists once. docs/metrics.md says more.
+Evidence to show beside the agent's verdict, never an input to it.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@
 Every request carries a field or label selector naming this node (or one object), so at rest an
 agent costs the API server one open watch per reflector and nothing else, whatever the size of
 the cluster. :class:`Reflector` is generic; :class:`exporter.k8s.slices.SliceWatcher`,
-:class:`NodeWatch` and :class:`OwnedRuleWatch` are its uses.
+:class:`NodeWatch`, :class:`OwnedRuleWatch` and :class:`exporter.k8s.podhealth.PodWatcher` are its uses.
 """
 
 from __future__ import annotations
