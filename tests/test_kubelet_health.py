@@ -95,15 +95,17 @@ def test_resource_ids_match_as_the_kubelet_writes_them():
         {"name": "claim:gpus/small", "resources": [{"resourceID": "gpu.example.com/pool/d2", "health": "Unhealthy"}]},
         {"name": "claim:gpus/small", "resources": [{"resourceID": "gpu.example.com/pool/d2", "health": "Healthy"}]},
     ]
-    pod = parse_pod(_pod({"gpus": "p-gpus-x7"}, entries))
+    pod = parse_pod(_pod({"gpus": "p-gpus-x7"}, entries), reported=True)
     assert len(pod.reported) == 7 and pod.reported[0].claim == "p-gpus-x7" and pod.reported[1].request == "big"
+    assert parse_pod(_pod({"gpus": "p-gpus-x7"}, entries)).reported == ()  # not read without the flag
     health, unmatched = reported_health([pod], claims)
     assert health == {("gpu.example.com", "rack-1/node-a", "d9"): "Unhealthy",
                       ("gpu.example.com", "pool", "d0"): "Unknown",
                       ("gpu.example.com", "pool", "d2"): "Unhealthy"}
     assert unmatched == 3
     # a finished pod's status is no longer updated by the kubelet: not evidence
-    assert reported_health([parse_pod(_pod({"gpus": "p-gpus-x7"}, entries, phase="Succeeded"))], claims) == ({}, 0)
+    finished = parse_pod(_pod({"gpus": "p-gpus-x7"}, entries, phase="Succeeded"), reported=True)
+    assert reported_health([finished], claims) == ({}, 0)
 
 
 @pytest.fixture

@@ -392,7 +392,7 @@ def _parse_claim(obj: Any) -> ClaimInfo:
 # --------------------------------------------------------------------------- Pod
 
 
-def parse_pod(obj: Any) -> PodInfo:
+def parse_pod(obj: Any, *, reported: bool = False) -> PodInfo:
     """Parse a core/v1 Pod. Raises :class:`ParseError` only.
 
     ``claims`` are the names of the ResourceClaims the pod holds in its namespace: direct
@@ -401,12 +401,13 @@ def parse_pod(obj: Any) -> PodInfo:
     exists) and the DRA extended-resource claim from ``status.extendedResourceClaimStatus``
     (also kept on its own, ``extended_claim``: NoExecute does not evict a pod for that claim's
     devices, kubernetes/kubernetes#141290). The controller, creation and deletion times serve the
-    remediator's account of pods that outstay a NoExecute taint.
+    remediator's account of pods that outstay a NoExecute taint. ``reported``: also the kubelet's
+    device health (``--kubelet-device-health``; otherwise that part of the status is not read).
     """
-    return _only_parse_errors("pod", _parse_pod, obj)
+    return _only_parse_errors("pod", _parse_pod, obj, reported)
 
 
-def _parse_pod(obj: Any) -> PodInfo:
+def _parse_pod(obj: Any, reported: bool = False) -> PodInfo:
     obj, name, namespace, uid, where = _namespaced_meta(obj, "pod")
     spec = _dict(obj.get("spec"), f"{where}: spec", required=False)
     status = _dict(obj.get("status"), f"{where}: status", required=False)
@@ -454,7 +455,7 @@ def _parse_pod(obj: Any) -> PodInfo:
         controller=controller,
         created_at=_time(meta.get("creationTimestamp"), f"{where}: metadata.creationTimestamp"),
         deleting_at=_time(meta.get("deletionTimestamp"), f"{where}: metadata.deletionTimestamp"),
-        reported=_reported_health(status, named, where),
+        reported=_reported_health(status, named, where) if reported else (),
     )
 
 

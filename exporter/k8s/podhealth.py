@@ -60,7 +60,7 @@ class PodWatcher(Reflector[PodInfo]):
 
     def _parse(self, obj: Any, version: str) -> PodInfo | None:
         try:
-            return parse_pod(obj)
+            return parse_pod(obj, reported=True)
         except ParseError as exc:
             log.warning("pods_malformed", node=self.node_name, error=str(exc))
             return None
