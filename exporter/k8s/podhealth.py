@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 
 from ..collect import Collector, Degraded, Gathered, Slot, SourceStats
-from .collectors import CLAIMS, PODS, watch_stats
+from .collectors import CLAIMS, watch_stats
 from .connection import ApiClient
 from .model import ClaimInfo, PodInfo
 from .parse import ParseError, parse_pod
@@ -50,6 +50,7 @@ class PodWatcher(Reflector[PodInfo]):
         selector = f"spec.nodeName={node_name}"
         super().__init__(client, group="", resource="pods", label=node_name, field_selector=selector, **kw)
         self.node_name = node_name
+        self.version = 0  # counts changes: what depends on the pods is recomputed when it moves
 
     def list(self, force: bool = False) -> list[PodInfo]:
         return list(self.items().values())
@@ -67,6 +68,9 @@ class PodWatcher(Reflector[PodInfo]):
 
     def _keep(self, item: PodInfo) -> bool:
         return item.node_name in ("", self.node_name)
+
+    def _recompute(self) -> None:
+        self.version += 1
 
 
 def _device_of(resource_id: str) -> DeviceKey | None:
@@ -115,7 +119,8 @@ class ReportedHealthCollector(Collector[Mapping[DeviceKey, str]]):
         self.watcher = watcher
         self.counted = counted  # False: the pods collector shares the watch and counts its requests
         self.unmatched = 0  # entries of the last cycle matched to no device (see the module docstring)
-        self._last: dict[DeviceKey, str] = {}
+        # (pod watch version, the claims mapping, the answer): a quiet node costs no pass over its pods
+        self._last: tuple[int, object, dict[DeviceKey, str]] = (-1, None, {})
 
     def start(self) -> None:
         self.watcher.start()
@@ -127,12 +132,14 @@ class ReportedHealthCollector(Collector[Mapping[DeviceKey, str]]):
         w = self.watcher
         if not w.synced:
             raise RuntimeError(f"Pods not listed yet{': ' + w.last_error if w.last_error else ''}")
-        pods = found.get(PODS) if found.fresh(PODS) else None  # the same watch, already copied this cycle
-        out, unmatched = reported_health(w.list() if pods is None else pods, found.get(CLAIMS) or {})
-        out = self._last = self._last if out == self._last else out  # the same object while nothing moved
-        if unmatched != self.unmatched:
-            log.info("kubelet_health_unmatched", node=w.node_name, entries=unmatched)
-            self.unmatched = unmatched
+        version, claims = w.version, found.get(CLAIMS) or {}
+        if version != self._last[0] or claims is not self._last[1]:
+            out, unmatched = reported_health(w.list(), claims)
+            self._last = (version, claims, self._last[2] if out == self._last[2] else out)
+            if unmatched != self.unmatched:
+                log.info("kubelet_health_unmatched", node=w.node_name, entries=unmatched)
+                self.unmatched = unmatched
+        out = self._last[2]  # the same object while nothing moved (the join's memo compares identity)
         if w.last_error:
             raise Degraded(f"Pod watch: {w.last_error}", out)
         return out
