@@ -21,23 +21,17 @@ import re
 import socket
 import stat
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Generic, NoReturn, TypeVar
 
 from . import __version__, constants
+from .reasons import TaintMode as TaintMode  # remediation's modes, which --taint-mode parses into (re-exported)
 from .text import one_line
 
 ENV_PREFIX = "DRA_GPU_EXPORTER_"
 DEFAULT_KUBELET_SOCKET = constants.KUBELET_SOCKET
 AGENT, DEMO = "agent", "demo"  # the two commands: `dra-gpu-exporter` and `dra-gpu-exporter demo`
-
-
-class TaintMode(str, enum.Enum):
-    OFF = "off"  # no remediation at all
-    DRY_RUN = "dry-run"  # decide, log and export, never write
-    SHADOW = "shadow"  # write rules with effect None (Kubernetes reports what would be evicted)
-    ENFORCE = "enforce"  # write rules with the tier's effect
 
 
 class ConfigError(ValueError):
@@ -138,7 +132,10 @@ class Choice(Generic[T]):
         return self.then(v)
 
 
-_BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False, "": False}
+_BOOL = {
+    "1": True, "true": True, "yes": True, "on": True,
+    "0": False, "false": False, "no": False, "off": False, "": False,
+}
 
 
 def parse_bool(value: str, flag: str) -> bool:
@@ -150,14 +147,20 @@ def parse_bool(value: str, flag: str) -> bool:
 
 def _agent_backend(v: str) -> str:
     if v == "sim":
-        raise ConfigError("--backend sim: the simulated backend runs only under `dra-gpu-exporter demo`; the agent takes auto, nvml or amdsmi")
+        raise ConfigError(
+            "--backend sim: the simulated backend runs only under `dra-gpu-exporter demo`; "
+            "the agent takes auto, nvml or amdsmi"
+        )
     return v
 
 
 def _demo_backend(v: str) -> str:
     if v not in ("sim", "auto"):
         # The demo's GPUs are simulated; a real backend would be quietly ignored.
-        raise ConfigError(f"--backend {v!r}: the demo simulates its GPUs (backend sim); to read this node's GPUs run the agent: dra-gpu-exporter --backend {v}")
+        raise ConfigError(
+            f"--backend {v!r}: the demo simulates its GPUs (backend sim); to read this node's GPUs run the agent: "
+            f"dra-gpu-exporter --backend {v}"
+        )
     return "sim"
 
 
@@ -191,7 +194,8 @@ def parse_exclude_metrics(value: str, flag: str = "--exclude-metrics") -> frozen
         hits = fnmatch.filter(BY_NAME, pattern)
         if not hits:
             raise ConfigError(
-                f"{flag}: {pattern!r} matches no metric (names as in docs/metrics.md, e.g. dra_claim_pods or 'gpu_*_clock_hertz')"
+                f"{flag}: {pattern!r} matches no metric (names as in docs/metrics.md, "
+                "e.g. dra_claim_pods or 'gpu_*_clock_hertz')"
             )
         out.update(hits)
     return frozenset(out)
@@ -414,201 +418,182 @@ class Flag(Generic[T]):
 
 
 _SECONDS_A_WEEK = 7 * 86400
+_FLAG = "flag"  # the key of a flag's row in a Config field's metadata
 
-LISTEN = Flag(
-    "listen", parse_listen, ("0.0.0.0", 9402), demo=("127.0.0.1", 9402), metavar="HOST:PORT", show=_host_port,
-    fields=("listen_host", "listen_port"),
-    help="address for /metrics, /healthz, /readyz",
-    doc="`/metrics`, `/healthz`, `/readyz`; HOST is a host name, an IPv4 address or a bracketed IPv6 address (`[::]:9402`)",
-)
-INTERVAL = Flag(
-    "interval", parse_interval, 5.0, demo=1.0, metavar="SECONDS",
-    help="collection interval, float seconds",
-    doc="collection interval (float)",
-)
-BACKEND = Flag(
-    "backend", Choice(("auto", "nvml", "amdsmi", "sim"), _agent_backend), "auto",
-    demo="sim", demo_parse=Choice(("auto", "nvml", "amdsmi", "sim"), _demo_backend),
-    help="device library: auto, nvml or amdsmi; sim (simulated GPUs) is the demo's",
-    doc="device library; `auto` picks what the machine has; `sim` is the demo's (the agent refuses it, exit 2; the demo refuses the others)",
-)
-TAINT_MODE = Flag(
-    "taint-mode", Choice(tuple(m.value for m in TaintMode), TaintMode), TaintMode.ENFORCE,
-    help="remediation mode",
-    doc="remediation mode (see [Health and remediation](health-and-remediation.md), \"Modes\")",
-)
-LOG_FORMAT = Flag(
-    "log-format", Choice(("auto", "json", "console"), str), "auto",
-    help="auto: JSON unless stderr is a terminal",
-    doc="structured logs: JSON lines, or key=value lines for a terminal; `auto`: JSON when stderr is not a terminal",
-)
-LOG_LEVEL = Flag(
-    "log-level", Choice(("debug", "info", "warning", "error"), str, fold_case=True), "info",
-    help="log level",
-    doc="least severe level logged (the environment may write it in upper case)",
-)
-CALL_TIMEOUT = Flag(
-    "call-timeout", Number(0.01, 600), 2.0, metavar="SECONDS",
-    help="deadline for reading one device",
-    doc="deadline for reading one device; a read that misses it has no data that cycle (`gpu_up 0`, read error `late`), which alone is no fault",
-)
-PER_PROCESS = Flag(
-    "per-process", parse_bool, False, switch=True,
-    help="per-process (per-pod) GPU memory; needs hostPID",
-    doc="per-pod GPU memory from NVML process accounting; needs `hostPID: true`",
-)
-POD_LABEL_ALLOWLIST: Flag[tuple[str, ...]] = Flag(
-    "pod-label-allowlist", parse_label_allowlist, (), metavar="K1,K2",
-    help="pod labels exported on dra_pod_labels",
-    doc="pod labels exported on `dra_pod_labels` (opt-in cardinality)",
-)
-KUBELET_DEVICE_HEALTH = Flag(
-    "kubelet-device-health", parse_bool, False, switch=True,
-    help="watch this node's pods for the kubelet's device health (KEP-4680) on dra_device_reported_health; "
-    "needs pods list/watch",
-    doc="watch this node's pods and export the device health the kubelet reports in their status (KEP-4680) on "
-    "`dra_device_reported_health`, beside the agent's own; needs RBAC `list`/`watch` on pods "
-    "(see [Deploying](deploy.md#kubelet-reported-device-health))",
-)
-EXCLUDE_METRICS: Flag[frozenset[str]] = Flag(
-    "exclude-metrics", parse_exclude_metrics, frozenset(), metavar="NAME,GLOB",
-    help="metrics never exported, by name or shell pattern (e.g. 'dra_claim_memory_*')",
-    doc="metrics never exported, by name or shell pattern (`'dra_claim_memory_*'`); a pattern that matches no metric is an "
-    "error. The cardinality control: each `dra_claim_*` family costs one series per claim "
-    "(see [Performance](performance.md#series-budget))",
-)
-DCGM_COMPAT_LABELS = Flag(
-    "dcgm-compat-labels", parse_bool, False, switch=True,
-    help="add dcgm-exporter's pod/namespace/container/dra_* labels to device series",
-    doc="add dcgm-exporter's `pod`, `namespace`, `container`, `dra_*` labels to device series (one series per holder, as dcgm-exporter does)",
-)
-TAINT_RATE_LIMIT = Flag(
-    "taint-rate-limit", Count(0, 1000), 2, metavar="N",
-    help="new NoExecute rules per node per 10 minutes",
-    doc="new NoExecute rules per node per 10 minutes (a whole number)",
-)
-TAINT_BUDGET_FRACTION = Flag(
-    "taint-budget-fraction", Number(0, 1), 0.05, metavar="F",
-    help="no longer used (the budget ConfigMap states the cluster's budget); kept so existing manifests still start",
-    doc="no longer used: the budget's size is stated in the budget ConfigMap (`fraction` × `cluster_gpus`, `max_domains`; "  # noqa: RUF001 - the README writes a product so
-    "Helm values `budget.*`); kept so existing manifests still start",
-)
-TAINT_HOLD_SECONDS = Flag(
-    "taint-hold-seconds", Number(0, _SECONDS_A_WEEK), 1800.0, metavar="S",
-    help="healthy time before a rule steps down",
-    doc="healthy time before a rule steps down one level",
-)
-TAINT_SETTLE_SECONDS = Flag(
-    "taint-settle-seconds", Number(0, 600), 2.0, metavar="S",
-    help="a new fatal fault is NoSchedule this long, then NoExecute unless the node-wide test trips",
-    doc="a new fatal fault gets NoSchedule at once and NoExecute after this long, unless the node-wide test trips within it "
-    "(the raise waits for the longer of this and `--node-fault-window`)",
-)
-NODE_FAULT_WINDOW = Flag(
-    "node-fault-window", Number(0, 600), 2.0, metavar="S",
-    help="GPU failures this close together count together for the node-wide test",
-    doc="GPU failures at most this far apart count together: more than half of the node's GPUs failing within it is a node-wide fault (NoSchedule only)",
-)
-EVICTION_GRACE_SECONDS = Flag(
-    "eviction-grace-seconds", Number(0, _SECONDS_A_WEEK), 60.0, metavar="S",
-    help="a pod still on a NoExecute device this long after its taint (and its toleration) is looked up and told in a Warning Event",
-    doc="a pod still holding a device this long after the agent's NoExecute taint (after its `tolerationSeconds`, if it tolerates it) "
-    "is read by name and a Warning Event `GPUEvictionOverdue` says why it stays (an extended-resource claim, a toleration, a controller)",
-)
-HUNG_AFTER = Flag(
-    "hung-after", Number(0, 3600), 30.0, metavar="SECONDS",
-    help="a device call stuck this long, while the agent itself gets CPU, makes the device driver_hung (fatal)",
-    doc="a device call still stuck this long, while the agent itself gets CPU, makes the device `driver_hung` (fatal); `0`: at the first missed deadline",
-)
-FAULT_CLEAR_SECONDS = Flag(
-    "fault-clear-seconds", Number(0, _SECONDS_A_WEEK), 120.0, metavar="SECONDS",
-    help="a fatal fault clears this long after a GPU reset, a polled fault this long after it was last seen",
-    doc="a fatal fault clears this long after a GPU reset has been observed; a polled fault (lost, hung, remap pending) this long after it was last seen",
-)
-STUCK_READING_SECONDS = Flag(
-    "stuck-reading-seconds", Number(0, _SECONDS_A_WEEK), 600.0, metavar="SECONDS",
-    help="a reading frozen this long while the GPU reports activity raises reading_stuck (degraded, never tainted); 0: off",
-    doc="a reading frozen this long while the GPU reports activity (energy flat under power; profiling ratios at exactly 0 while "
-    "utilization is at least 50 %) raises `reading_stuck` (degraded, never tainted); `0` turns the check off",
-)
-WEB_CONFIG_FILE: Flag[str | None] = Flag(
-    "web-config-file", parse_web_config_file, None, metavar="PATH",
-    help="TLS, client-certificate and basic-auth settings for the HTTP endpoint, in the Prometheus exporter-toolkit format",
-    doc="TLS (certificates re-read when they change), client certificates, bcrypt basic auth and response headers for the "
-    "HTTP endpoint, in the Prometheus exporter-toolkit's format (see [docs/deploy.md](deploy.md#tls-and-authentication)); "
-    "a bad file is exit 2 with one line",
-)
-NODE_NAME = Flag(
-    "node-name", parse_node_name, "", commands=(AGENT,), metavar="NAME", fallback_env="NODE_NAME",
-    shown="env `NODE_NAME`, else the host name",
-    help="this node's name",
-    doc="this node (pool name and slice field selector)",
-)
-KUBELET_SOCKET = Flag(
-    "kubelet-socket", parse_kubelet_socket, constants.KUBELET_SOCKET, commands=(AGENT,), metavar="PATH",
-    help="PodResources socket",
-    doc="PodResources API; a missing socket (or a wrong file there) is logged and retried, not fatal; only a path no socket can have is exit 2",
-)
-KUBECONFIG: Flag[str | None] = Flag(
-    "kubeconfig", parse_kubeconfig, None, commands=(AGENT,), metavar="PATH",
-    shown="in-cluster, then `KUBECONFIG`",
-    help="kubeconfig; none found: no Kubernetes API features",
-    doc="none found: runs without DRA attribution and remediation; a file that is no kubeconfig is exit 2",
-)
-SCENARIO = Flag(
-    "scenario", parse_scenario, "mixed-node", commands=(DEMO,), metavar="FILE|NAME",
-    help="scenario file (YAML or JSON) or a bundled scenario's name (see --list-scenarios)",
-    doc="the demo's node: a scenario file (YAML or JSON, format in [docs/scenarios.md](scenarios.md)) or a bundled "
-    "scenario by the name `--list-scenarios` prints",
-)
-TIME_SCALE = Flag(
-    "time-scale", Number(0.01, 10000), 1.0, commands=(DEMO,), metavar="X",
-    help="simulated seconds per real second",
-    doc="simulated seconds per real second",
-)
 
-# The order of --help, of validation (with several bad values, the first is reported) and of
-# the configuration reference.
-FLAGS: tuple[Flag[Any], ...] = (
-    LISTEN, INTERVAL, BACKEND, TAINT_MODE, LOG_FORMAT, LOG_LEVEL, CALL_TIMEOUT, PER_PROCESS, POD_LABEL_ALLOWLIST,
-    KUBELET_DEVICE_HEALTH,
-    EXCLUDE_METRICS, DCGM_COMPAT_LABELS, TAINT_RATE_LIMIT, TAINT_BUDGET_FRACTION, TAINT_HOLD_SECONDS,
-    TAINT_SETTLE_SECONDS, NODE_FAULT_WINDOW, EVICTION_GRACE_SECONDS, HUNG_AFTER, FAULT_CLEAR_SECONDS, STUCK_READING_SECONDS, WEB_CONFIG_FILE,
-    NODE_NAME, KUBELET_SOCKET, KUBECONFIG, SCENARIO, TIME_SCALE,
-)
+def flag(name: str, parse: Callable[[str, str], T], default: T, **row: Any) -> Any:
+    """A ``Config`` field that a flag sets, with the flag's row (see :class:`Flag`): the field's
+    default is the flag's (for a flag that fills several fields, its first part)."""
+    f = Flag(name, parse, default, **row)
+    return field(default=default[0] if f.fields else default, metadata={_FLAG: f})  # type: ignore[index]
 
 
 @dataclass(frozen=True)
 class Config:
-    # Defaults from the flag table; the flags' meanings are there too.
-    listen_host: str = LISTEN.default[0]
-    listen_port: int = LISTEN.default[1]
-    node_name: str = NODE_NAME.default
-    kubelet_socket: str = KUBELET_SOCKET.default
-    kubeconfig: str | None = KUBECONFIG.default
-    backend: str = BACKEND.default
-    interval: float = INTERVAL.default
-    taint_mode: TaintMode = TAINT_MODE.default
-    log_format: str = LOG_FORMAT.default
-    log_level: str = LOG_LEVEL.default
-    call_timeout: float = CALL_TIMEOUT.default
-    per_process: bool = PER_PROCESS.default
-    pod_label_allowlist: tuple[str, ...] = POD_LABEL_ALLOWLIST.default
-    kubelet_device_health: bool = KUBELET_DEVICE_HEALTH.default
-    dcgm_compat_labels: bool = DCGM_COMPAT_LABELS.default
-    exclude_metrics: frozenset[str] = EXCLUDE_METRICS.default
-    taint_rate_limit: int = TAINT_RATE_LIMIT.default
-    taint_budget_fraction: float = TAINT_BUDGET_FRACTION.default
-    taint_hold_seconds: float = TAINT_HOLD_SECONDS.default
-    taint_settle_seconds: float = TAINT_SETTLE_SECONDS.default
-    node_fault_window: float = NODE_FAULT_WINDOW.default
-    eviction_grace_seconds: float = EVICTION_GRACE_SECONDS.default
-    hung_after: float = HUNG_AFTER.default
-    fault_clear_seconds: float = FAULT_CLEAR_SECONDS.default
-    stuck_reading_seconds: float = STUCK_READING_SECONDS.default
-    web_config_file: str | None = WEB_CONFIG_FILE.default
-    scenario: str = SCENARIO.default
-    time_scale: float = TIME_SCALE.default
+    """The agent's and the demo's configuration. A field that a flag sets declares the flag's row
+    right here; the rows, in this order, are :data:`FLAGS` (the order of --help, of validation, with
+    several bad values the first reported, and of docs/configuration.md)."""
+
+    listen_host: str = flag(
+        "listen", parse_listen, ("0.0.0.0", 9402), demo=("127.0.0.1", 9402), metavar="HOST:PORT", show=_host_port,
+        fields=("listen_host", "listen_port"),
+        help="address for /metrics, /healthz, /readyz",
+        doc="`/metrics`, `/healthz`, `/readyz`; HOST is a host name, an IPv4 address or a bracketed IPv6 address "
+        "(`[::]:9402`)",
+    )
+    listen_port: int = 9402  # set by --listen, with listen_host
+    interval: float = flag(
+        "interval", parse_interval, 5.0, demo=1.0, metavar="SECONDS",
+        help="collection interval, float seconds",
+        doc="collection interval (float)",
+    )
+    backend: str = flag(
+        "backend", Choice(("auto", "nvml", "amdsmi", "sim"), _agent_backend), "auto",
+        demo="sim", demo_parse=Choice(("auto", "nvml", "amdsmi", "sim"), _demo_backend),
+        help="device library: auto, nvml or amdsmi; sim (simulated GPUs) is the demo's",
+        doc="device library; `auto` picks what the machine has; `sim` is the demo's (the agent refuses it, exit 2; "
+        "the demo refuses the others)",
+    )
+    taint_mode: TaintMode = flag(
+        "taint-mode", Choice(tuple(m.value for m in TaintMode), TaintMode), TaintMode.ENFORCE,
+        help="remediation mode",
+        doc="remediation mode (see [Health and remediation](health-and-remediation.md), \"Modes\")",
+    )
+    log_format: str = flag(
+        "log-format", Choice(("auto", "json", "console"), str), "auto",
+        help="auto: JSON unless stderr is a terminal",
+        doc="structured logs: JSON lines, or key=value lines for a terminal; `auto`: JSON when stderr is not a "
+        "terminal",
+    )
+    log_level: str = flag(
+        "log-level", Choice(("debug", "info", "warning", "error"), str, fold_case=True), "info",
+        help="log level",
+        doc="least severe level logged (the environment may write it in upper case)",
+    )
+    call_timeout: float = flag(
+        "call-timeout", Number(0.01, 600), 2.0, metavar="SECONDS",
+        help="deadline for reading one device",
+        doc="deadline for reading one device; a read that misses it has no data that cycle (`gpu_up 0`, read error "
+        "`late`), which alone is no fault",
+    )
+    per_process: bool = flag(
+        "per-process", parse_bool, False, switch=True,
+        help="per-process (per-pod) GPU memory; needs hostPID",
+        doc="per-pod GPU memory from NVML process accounting; needs `hostPID: true`",
+    )
+    pod_label_allowlist: tuple[str, ...] = flag(
+        "pod-label-allowlist", parse_label_allowlist, tuple[str, ...](), metavar="K1,K2",
+        help="pod labels exported on dra_pod_labels",
+        doc="pod labels exported on `dra_pod_labels` (opt-in cardinality)",
+    )
+    kubelet_device_health: bool = flag(
+        "kubelet-device-health", parse_bool, False, switch=True,
+        help="watch this node's pods for the kubelet's device health (KEP-4680) on dra_device_reported_health; "
+        "needs pods list/watch",
+        doc="watch this node's pods and export the device health the kubelet reports in their status (KEP-4680) on "
+        "`dra_device_reported_health`, beside the agent's own; needs RBAC `list`/`watch` on pods "
+        "(see [Deploying](deploy.md#kubelet-reported-device-health))",
+    )
+    exclude_metrics: frozenset[str] = flag(
+        "exclude-metrics", parse_exclude_metrics, frozenset[str](), metavar="NAME,GLOB",
+        help="metrics never exported, by name or shell pattern (e.g. 'dra_claim_memory_*')",
+        doc="metrics never exported, by name or shell pattern (`'dra_claim_memory_*'`); a pattern that matches no "
+        "metric is an error. The cardinality control: each `dra_claim_*` family costs one series per claim "
+        "(see [Performance](performance.md#series-budget))",
+    )
+    dcgm_compat_labels: bool = flag(
+        "dcgm-compat-labels", parse_bool, False, switch=True,
+        help="add dcgm-exporter's pod/namespace/container/dra_* labels to device series",
+        doc="add dcgm-exporter's `pod`, `namespace`, `container`, `dra_*` labels to device series (one series per "
+        "holder, as dcgm-exporter does)",
+    )
+    taint_rate_limit: int = flag(
+        "taint-rate-limit", Count(0, 1000), 2, metavar="N",
+        help="new NoExecute rules per node per 10 minutes",
+        doc="new NoExecute rules per node per 10 minutes (a whole number)",
+    )
+    taint_hold_seconds: float = flag(
+        "taint-hold-seconds", Number(0, _SECONDS_A_WEEK), 1800.0, metavar="S",
+        help="healthy time before a rule steps down",
+        doc="healthy time before a rule steps down one level",
+    )
+    taint_settle_seconds: float = flag(
+        "taint-settle-seconds", Number(0, 600), 2.0, metavar="S",
+        help="a new fatal fault is NoSchedule this long, then NoExecute unless the node-wide test trips",
+        doc="a new fatal fault gets NoSchedule at once and NoExecute after this long, unless the node-wide test trips "
+        "within it (the raise waits for the longer of this and `--node-fault-window`)",
+    )
+    node_fault_window: float = flag(
+        "node-fault-window", Number(0, 600), 2.0, metavar="S",
+        help="GPU failures this close together count together for the node-wide test",
+        doc="GPU failures at most this far apart count together: more than half of the node's GPUs failing within it "
+        "is a node-wide fault (NoSchedule only)",
+    )
+    eviction_grace_seconds: float = flag(
+        "eviction-grace-seconds", Number(0, _SECONDS_A_WEEK), 60.0, metavar="S",
+        help="a pod still on a NoExecute device this long after its taint (and its toleration) is looked up and told "
+        "in a Warning Event",
+        doc="a pod still holding a device this long after the agent's NoExecute taint (after its `tolerationSeconds`, "
+        "if it tolerates it) is read by name and a Warning Event `GPUEvictionOverdue` says why it stays (an "
+        "extended-resource claim, a toleration, a controller)",
+    )
+    hung_after: float = flag(
+        "hung-after", Number(0, 3600), 30.0, metavar="SECONDS",
+        help="a device call stuck this long, while the agent itself gets CPU, makes the device driver_hung (fatal)",
+        doc="a device call still stuck this long, while the agent itself gets CPU, makes the device `driver_hung` "
+        "(fatal); `0`: at the first missed deadline",
+    )
+    fault_clear_seconds: float = flag(
+        "fault-clear-seconds", Number(0, _SECONDS_A_WEEK), 120.0, metavar="SECONDS",
+        help="a fatal fault clears this long after a GPU reset, a polled fault this long after it was last seen",
+        doc="a fatal fault clears this long after a GPU reset has been observed; a polled fault (lost, hung, remap "
+        "pending) this long after it was last seen",
+    )
+    stuck_reading_seconds: float = flag(
+        "stuck-reading-seconds", Number(0, _SECONDS_A_WEEK), 600.0, metavar="SECONDS",
+        help="a reading frozen this long while the GPU reports activity raises reading_stuck (degraded, never "
+        "tainted); 0: off",
+        doc="a reading frozen this long while the GPU reports activity (energy flat under power; profiling ratios at "
+        "exactly 0 while utilization is at least 50 %) raises `reading_stuck` (degraded, never tainted); `0` turns "
+        "the check off",
+    )
+    web_config_file: str | None = flag(
+        "web-config-file", parse_web_config_file, None, metavar="PATH",
+        help="TLS, client-certificate and basic-auth settings for the HTTP endpoint, in the Prometheus "
+        "exporter-toolkit format",
+        doc="TLS (certificates re-read when they change), client certificates, bcrypt basic auth and response headers "
+        "for the HTTP endpoint, in the Prometheus exporter-toolkit's format (see "
+        "[docs/deploy.md](deploy.md#tls-and-authentication)); a bad file is exit 2 with one line",
+    )
+    node_name: str = flag(
+        "node-name", parse_node_name, "", commands=(AGENT,), metavar="NAME", fallback_env="NODE_NAME",
+        shown="env `NODE_NAME`, else the host name",
+        help="this node's name",
+        doc="this node (pool name and slice field selector)",
+    )
+    kubelet_socket: str = flag(
+        "kubelet-socket", parse_kubelet_socket, constants.KUBELET_SOCKET, commands=(AGENT,), metavar="PATH",
+        help="PodResources socket",
+        doc="PodResources API; a missing socket (or a wrong file there) is logged and retried, not fatal; only a path "
+        "no socket can have is exit 2",
+    )
+    kubeconfig: str | None = flag(
+        "kubeconfig", parse_kubeconfig, None, commands=(AGENT,), metavar="PATH",
+        shown="in-cluster, then `KUBECONFIG`",
+        help="kubeconfig; none found: no Kubernetes API features",
+        doc="none found: runs without DRA attribution and remediation; a file that is no kubeconfig is exit 2",
+    )
+    scenario: str = flag(
+        "scenario", parse_scenario, "mixed-node", commands=(DEMO,), metavar="FILE|NAME",
+        help="scenario file (YAML or JSON) or a bundled scenario's name (see --list-scenarios)",
+        doc="the demo's node: a scenario file (YAML or JSON, format in [docs/scenarios.md](scenarios.md)) or a "
+        "bundled scenario by the name `--list-scenarios` prints",
+    )
+    time_scale: float = flag(
+        "time-scale", Number(0.01, 10000), 1.0, commands=(DEMO,), metavar="X",
+        help="simulated seconds per real second",
+        doc="simulated seconds per real second",
+    )
     # Not flags: remediation tunables that tests and benchmarks set.
     taint_rate_window: float = 600.0  # seconds: --taint-rate-limit's window
     taint_budget_max: int = 16  # domains under NoExecute when the budget ConfigMap states none
@@ -617,6 +602,9 @@ class Config:
     @property
     def listen(self) -> str:
         return f"{self.listen_host}:{self.listen_port}"
+
+
+FLAGS: tuple[Flag[Any], ...] = tuple(f.metadata[_FLAG] for f in fields(Config) if _FLAG in f.metadata)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,13 +1,23 @@
-"""Why remediation held back: the ``reason`` values of ``dra_gpu_exporter_taint_suppressed_total``.
+"""Remediation's vocabulary that the layers below it name: its modes and why it held back.
 
-One enum, used by the code that counts a suppression and by the metric's help text, so the
-documented values cannot drift from the ones the agent emits. Each value is also what a
-``HealthRemediationSuppressed`` Event is about. Changing a value renames a series users alert on.
+``TaintMode`` is what ``--taint-mode`` selects (exporter/config.py parses into it, and config sits
+below remediation). ``Suppression`` holds the ``reason`` values of
+``dra_gpu_exporter_taint_suppressed_total``: one enum, used by the code that counts a suppression
+and by the metric's help text, so the documented values cannot drift from the ones the agent
+emits. Each value is also what a ``HealthRemediationSuppressed`` Event is about. Changing a value
+renames a series users alert on.
 """
 
 from __future__ import annotations
 
 import enum
+
+
+class TaintMode(str, enum.Enum):
+    OFF = "off"  # no remediation at all
+    DRY_RUN = "dry-run"  # decide, log and export, never write
+    SHADOW = "shadow"  # write rules with effect None (Kubernetes reports what would be evicted)
+    ENFORCE = "enforce"  # write rules with the tier's effect
 
 
 class Suppression(str, enum.Enum):

@@ -191,6 +191,7 @@ def build_remediator(
     # (imported here, like the other Kubernetes parts: only an agent with an API pays for them)
     from .k8s.budget import ClusterBudget
     from .k8s.claims import ClaimCache
+    from .k8s.discovery import Discovery
     from .k8s.events import EventRecorder
     from .k8s.feeds import ListedRules, PolledKillSwitch, WatchedKillSwitch, WatchedRules
     from .k8s.nodestate import NodeState
@@ -200,6 +201,7 @@ def build_remediator(
     from .remediation.engine import Remediator
 
     ns, node = agent_namespace(), cfg.node_name
+    discovery = discovery or Discovery(api)  # a remediator built alone (a rig): one of its own
     rules = rules or TaintRuleClient(api, discovery)
     feed: RuleFeed = WatchedRules(api, node, rules) if watch else ListedRules(rules, node, resync)
     kill: KillSwitch = WatchedKillSwitch(api, node) if watch else PolledKillSwitch(api, node, resync)

@@ -30,6 +30,8 @@ from typing import TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from exporter.devices.model import DeviceIdentity, Vendor
+
 T = TypeVar("T")
 
 DEADLINE = 30.0  # seconds: the default for any wait (generous on purpose, see the module docstring)
@@ -97,16 +99,29 @@ def stop_process(proc: subprocess.Popen, timeout: float = 15.0) -> int:  # type:
         return proc.wait()
 
 
+def gpu(i: int, *, serial: int = 0) -> DeviceIdentity:
+    """The identity of a node's ``i``-th full GPU, an 80 GiB H100: uuid ``GPU-<serial><i>-...``
+    (another ``serial``: another board in the same slot), PCI bus 0x18 + ``i``, index and minor ``i``."""
+    return DeviceIdentity(
+        uuid=f"GPU-{serial:04d}{i:04d}-0000-0000-0000-000000000000", vendor=Vendor.NVIDIA, model="NVIDIA H100 80GB HBM3",
+        pci_bus_id=f"0000:{0x18 + i:02x}:00.0", index=i, minor=i, memory_total_bytes=80 * 2**30,
+    )
+
+
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 
 
 def scrape_samples(url: str) -> Samples:
-    """GET ``url``/metrics (it must answer 200) and parse it with prometheus_client's parser:
-    sample name -> [(labels, value), ...]."""
+    """GET ``url``/metrics (it must answer 200) and parse it (:func:`parse_samples`)."""
     status, raw = fetch(f"{url}/metrics")
     assert status == 200, status
+    return parse_samples(raw.decode())
+
+
+def parse_samples(body: str) -> Samples:
+    """An exposition parsed with prometheus_client's parser: sample name -> [(labels, value), ...]."""
     out: Samples = {}
-    for fam in text_string_to_metric_families(raw.decode()):
+    for fam in text_string_to_metric_families(body):
         for s in fam.samples:
             out.setdefault(s.name, []).append((s.labels, s.value))
     return out

@@ -12,10 +12,16 @@ from k8s_helpers import running_apiserver, write_kubeconfig
 from exporter.k8s import pods as pods_module
 from exporter.k8s.claims import ClaimCache
 from exporter.k8s.connection import connect
+from exporter.k8s.discovery import Discovery
 from exporter.k8s.model import AllocatedDevice
 from exporter.k8s.pods import NodePods
 
 CLAIMS = "resourceclaims"
+
+
+def claim_cache(client, **kwargs) -> ClaimCache:
+    """A ClaimCache as the wiring builds it, with the agent's shared Discovery."""
+    return ClaimCache(client, discovery=Discovery(client), **kwargs)
 
 
 def client_for(server):
@@ -56,7 +62,7 @@ def test_miss_then_hit_then_expiry():
     clock = ManualClock()
     with running_apiserver("1.34") as server:
         server.apply(claim_obj("train", device="gpu-1", uuid="GPU-1"))
-        cache = ClaimCache(client_for(server), ttl=30.0, clock=clock)
+        cache = claim_cache(client_for(server), ttl=30.0, clock=clock)
         info = cache.get("ml", "train")
         assert info is not None and info.uid
         assert info.devices == (AllocatedDevice(request="gpu", driver="gpu.nvidia.com", pool="node-a", device="gpu-1"),)
@@ -76,7 +82,7 @@ def test_miss_then_hit_then_expiry():
 def test_not_found_is_remembered_briefly():
     clock = ManualClock()
     with running_apiserver("1.34") as server:
-        cache = ClaimCache(client_for(server), ttl=30.0, negative_ttl=5.0, clock=clock)
+        cache = claim_cache(client_for(server), ttl=30.0, negative_ttl=5.0, clock=clock)
         assert cache.get("ml", "later") is None
         assert cache.get("ml", "later") is None
         assert claim_gets(server, "later") == 1
@@ -92,7 +98,7 @@ def test_refresh_fetches_only_missing_or_expired():
     with running_apiserver("1.34") as server:
         for name in ("a", "b", "c"):
             server.apply(claim_obj(name))
-        cache = ClaimCache(client_for(server), ttl=30.0, clock=clock)
+        cache = claim_cache(client_for(server), ttl=30.0, clock=clock)
         assert cache.due([("ml", "a")])
         cache.refresh([("ml", "a"), ("ml", "b")])
         assert claim_gets(server) == 2
@@ -116,7 +122,7 @@ def test_the_same_keys_every_cycle_still_see_every_change():
     with running_apiserver("1.34") as server:
         for name in ("a", "b"):
             server.apply(claim_obj(name, device=f"gpu-{name}"))
-        cache = ClaimCache(client_for(server), ttl=30.0, negative_ttl=5.0, clock=clock)
+        cache = claim_cache(client_for(server), ttl=30.0, negative_ttl=5.0, clock=clock)
         both = [("ml", "a"), ("ml", "b")]
 
         def cycle(keys):  # what Agent._claims does, in its order, with a fresh list each time
@@ -150,7 +156,7 @@ def test_outage_serves_stale_copies_and_pauses_fetching():
     with running_apiserver("1.34") as server:
         server.apply(claim_obj("a"))
         server.apply(claim_obj("b"))
-        cache = ClaimCache(client_for(server), ttl=30.0, clock=clock, backoff_initial=10.0, backoff_max=20.0)
+        cache = claim_cache(client_for(server), ttl=30.0, clock=clock, backoff_initial=10.0, backoff_max=20.0)
         cache.refresh([("ml", "a"), ("ml", "b")])
         good = cache.get("ml", "a")
         server.outage(True, mode="503")
@@ -180,7 +186,7 @@ def test_connection_refused_is_an_outage_not_a_crash():
     with running_apiserver("1.34") as server:
         server.apply(claim_obj("a"))
         client = client_for(server)
-        cache = ClaimCache(client, ttl=30.0, clock=clock)
+        cache = claim_cache(client, ttl=30.0, clock=clock)
         good = cache.get("ml", "a")
     # the server is gone now: connection refused
     clock.advance(31.0)
@@ -194,7 +200,7 @@ def test_malformed_claim_is_skipped_and_counted():
         bad = claim_obj("bad")
         bad["status"]["allocation"]["devices"]["results"][0]["device"] = 7
         server.apply(bad)
-        cache = ClaimCache(client_for(server), ttl=30.0, clock=ManualClock())
+        cache = claim_cache(client_for(server), ttl=30.0, clock=ManualClock())
         assert cache.get("ml", "bad") is None
         assert cache.stats.malformed == 1
         assert "results[0].device" in cache.entry("ml", "bad").error
@@ -203,7 +209,7 @@ def test_malformed_claim_is_skipped_and_counted():
 def test_v1beta1_only_server():
     with running_apiserver("1.32", served_versions={"v1", "resource.k8s.io/v1beta1"}) as server:
         server.apply(claim_obj("old", version="v1beta1"))
-        cache = ClaimCache(client_for(server), ttl=30.0, clock=ManualClock())
+        cache = claim_cache(client_for(server), ttl=30.0, clock=ManualClock())
         info = cache.get("ml", "old")
         assert cache.api_version == "v1beta1"
         assert info is not None and info.devices[0].data == {"uuid": {"string": "GPU-0"}}
@@ -212,7 +218,7 @@ def test_v1beta1_only_server():
 
 def test_no_dra_api_gives_none_without_raising():
     with running_apiserver("1.32", served_versions={"v1"}) as server:
-        cache = ClaimCache(client_for(server), ttl=30.0, clock=ManualClock())
+        cache = claim_cache(client_for(server), ttl=30.0, clock=ManualClock())
         assert cache.get("ml", "x") is None
         assert "serves no version" in (cache.last_error or "")
 
@@ -306,7 +312,7 @@ def test_steady_state_makes_no_claim_request_and_reads_come_from_the_cache():
         names = [f"c{i}" for i in range(20)]
         for n in names:
             server.apply(claim_obj(n))
-        cache = ClaimCache(client_for(server), clock=clock)  # the agent's defaults
+        cache = claim_cache(client_for(server), clock=clock)  # the agent's defaults
         keys = [("ml", n) for n in names]
         cache.refresh(keys)  # the first cycle: every claim, a few at a time
         assert all(cache.entry("ml", n).info is not None for n in names)
@@ -325,7 +331,7 @@ def test_a_claim_not_allocated_yet_is_asked_again_soon():
         pending = claim_obj("p")
         pending["status"] = {}
         server.apply(pending)
-        cache = ClaimCache(client_for(server), negative_ttl=5.0, clock=clock)
+        cache = claim_cache(client_for(server), negative_ttl=5.0, clock=clock)
         cache.refresh([("ml", "p")])
         assert cache.entry("ml", "p").info.devices == ()
         server.apply(claim_obj("p", device="gpu-3"))

@@ -71,7 +71,7 @@ def test_every_flag_on_the_command_line(tmp_path):
         "--listen", "127.0.0.1:9999", "--interval", "0.5", "--backend", "amdsmi", "--taint-mode", "dry-run",
         "--log-format", "json", "--log-level", "debug", "--call-timeout", "1.5", "--per-process",
         "--pod-label-allowlist", "app, team ,app.kubernetes.io/name", "--dcgm-compat-labels",
-        "--taint-rate-limit", "3", "--taint-budget-fraction", "0.1", "--taint-hold-seconds", "60",
+        "--taint-rate-limit", "3", "--taint-hold-seconds", "60",
         "--node-name", "gpu-node-1", "--kubelet-socket", str(tmp_path / "kubelet.sock"), "--kubeconfig", str(kubeconfig),
     )
     assert (c.listen_host, c.listen_port) == ("127.0.0.1", 9999)
@@ -84,7 +84,6 @@ def test_every_flag_on_the_command_line(tmp_path):
     assert c.pod_label_allowlist == ("app", "team", "app.kubernetes.io/name")
     assert c.dcgm_compat_labels is True
     assert c.taint_rate_limit == 3
-    assert c.taint_budget_fraction == 0.1
     assert c.taint_hold_seconds == 60
     assert c.node_name == "gpu-node-1"
     assert c.kubelet_socket == str(tmp_path / "kubelet.sock")
@@ -97,7 +96,7 @@ def test_every_flag_from_the_environment(monkeypatch, tmp_path):
     env = {
         "LISTEN": "[::1]:9500", "INTERVAL": "2.5", "BACKEND": "nvml", "TAINT_MODE": "shadow", "LOG_FORMAT": "console",
         "LOG_LEVEL": "WARNING", "CALL_TIMEOUT": "0.25", "PER_PROCESS": "yes", "POD_LABEL_ALLOWLIST": "team",
-        "DCGM_COMPAT_LABELS": "true", "TAINT_RATE_LIMIT": "5", "TAINT_BUDGET_FRACTION": "0.2", "EXCLUDE_METRICS": "dra_claim_pods, gpu_*_clock_hertz",
+        "DCGM_COMPAT_LABELS": "true", "TAINT_RATE_LIMIT": "5", "EXCLUDE_METRICS": "dra_claim_pods, gpu_*_clock_hertz",
         "TAINT_HOLD_SECONDS": "900", "NODE_NAME": "node-b", "KUBELET_SOCKET": str(tmp_path / "k.sock"),
         "KUBECONFIG": str(kubeconfig),
     }
@@ -110,7 +109,7 @@ def test_every_flag_from_the_environment(monkeypatch, tmp_path):
     assert c.call_timeout == 0.25 and c.per_process is True and c.dcgm_compat_labels is True
     assert c.pod_label_allowlist == ("team",)
     assert c.exclude_metrics == {"dra_claim_pods", "gpu_sm_clock_hertz", "gpu_memory_clock_hertz"}
-    assert (c.taint_rate_limit, c.taint_budget_fraction, c.taint_hold_seconds) == (5, 0.2, 900)
+    assert (c.taint_rate_limit, c.taint_hold_seconds) == (5, 900)
     assert c.node_name == "node-b"
     assert c.kubelet_socket == str(tmp_path / "k.sock")
     assert c.kubeconfig == str(kubeconfig)
@@ -188,7 +187,6 @@ def test_parse_interval_rejects(text):
         (["--interval", "0"], {}, "between 0.05 and 3600"),
         (["--listen", "nonsense"], {}, "expected HOST:PORT"),
         (["--call-timeout", "-1"], {}, "--call-timeout"),
-        (["--taint-budget-fraction", "1.5"], {}, "--taint-budget-fraction"),
         (["--pod-label-allowlist", "bad key!"], {}, "not a valid label key"),
         (["--exclude-metrics", "gpu_up,dra_claim_pod"], {}, "--exclude-metrics: 'dra_claim_pod' matches no metric"),
         ([], {"EXCLUDE_METRICS": "claims_*"},

@@ -17,16 +17,12 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import yaml
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    tomllib = None  # type: ignore[assignment]
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "Dockerfile"
@@ -232,8 +228,6 @@ def test_build_stage_hygiene(stages: list[Stage]) -> None:
 
 
 def test_amd_extra_exists() -> None:
-    if tomllib is None:
-        pytest.skip("tomllib needs Python 3.11")
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert "amd" in project["optional-dependencies"]
 

@@ -557,7 +557,7 @@ def test_a_dangling_reference_is_named(base, data):
 
 ENV_FLAGS = [
     "listen", "interval", "backend", "taint-mode", "log-format", "log-level", "call-timeout", "per-process",
-    "pod-label-allowlist", "dcgm-compat-labels", "taint-rate-limit", "taint-budget-fraction", "taint-hold-seconds",
+    "pod-label-allowlist", "dcgm-compat-labels", "taint-rate-limit", "taint-hold-seconds",
     "node-name", "kubelet-socket", "kubeconfig", "scenario", "time-scale",
 ]
 BOOL_FLAGS = {"per-process", "dcgm-compat-labels"}
@@ -566,7 +566,6 @@ RANGES = {  # flag -> (Config field, lo, hi)
     "interval": ("interval", 0.05, 3600),
     "call-timeout": ("call_timeout", 0.01, 600),
     "taint-rate-limit": ("taint_rate_limit", 0, 1000),
-    "taint-budget-fraction": ("taint_budget_fraction", 0, 1),
     "taint-hold-seconds": ("taint_hold_seconds", 0, 7 * 86400),
     "time-scale": ("time_scale", 0.01, 10000),
 }
@@ -628,7 +627,7 @@ LABEL_LISTS = st.one_of(
 PATHS = st.one_of(st.sampled_from(["", "/", "/nonexistent", "/dev/null", "/tmp", "a\x00b", "a\nb", "\ud800", "x" * 300]), st.text(max_size=20))
 VALUES = {
     "listen": LISTENS,
-    "interval": NUMBERS, "call-timeout": NUMBERS, "taint-rate-limit": NUMBERS, "taint-budget-fraction": NUMBERS,
+    "interval": NUMBERS, "call-timeout": NUMBERS, "taint-rate-limit": NUMBERS,
     "taint-hold-seconds": NUMBERS, "time-scale": NUMBERS,
     "backend": st.sampled_from(["auto", "nvml", "amdsmi", "sim", "cuda", "SIM", "", " sim"]) | st.text(max_size=6),
     "taint-mode": st.sampled_from(["off", "dry-run", "shadow", "enforce", "OFF", "dry_run", ""]) | st.text(max_size=6),

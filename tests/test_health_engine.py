@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from clock_helpers import ManualClock
-from prometheus_client.parser import text_string_to_metric_families
+from kit_helpers import gpu, parse_samples
 
 from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction, Vendor
 from exporter.health.engine import HealthEngine, HealthPolicy
@@ -19,10 +19,6 @@ from exporter.metrics.render import Renderer, RenderState
 from exporter.model.join import JoinInputs, join
 
 T0 = 1_750_000_000.0
-
-
-def gpu(i: int) -> DeviceIdentity:
-    return DeviceIdentity(uuid=f"GPU-{i:08d}-0000-0000-0000-000000000000", vendor=Vendor.NVIDIA, model="H100", pci_bus_id=f"0000:{0x18 + i:02x}:00.0", index=i, minor=i)
 
 
 def mig(parent: DeviceIdentity, j: int) -> DeviceIdentity:
@@ -384,12 +380,7 @@ def test_listeners_hear_changes_and_a_failing_listener_is_isolated(engine, clock
 
 def _samples(engine: HealthEngine, ids, clock) -> dict[str, list]:
     snap = join(JoinInputs(node="node-a", timestamp=clock.t, identities=tuple(ids), readings={d.uuid: ok(d) for d in ids}, health=engine.all_health()))
-    body = Renderer().render(RenderState(snapshot=snap, xid_counts=dict(engine.xid_counts))).body.decode()
-    out: dict[str, list] = {}
-    for fam in text_string_to_metric_families(body):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
+    return parse_samples(Renderer().render(RenderState(snapshot=snap, xid_counts=dict(engine.xid_counts))).body.decode())
 
 
 def test_health_metrics(engine, clock):

@@ -12,6 +12,7 @@ from collections import Counter
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kit_helpers import gpu
 
 from exporter.devices.model import DeviceIdentity, DeviceReading, ReadError, Vendor
 from exporter.health.model import Condition, DeviceHealth, Tier
@@ -23,13 +24,6 @@ from exporter.model.snapshot import Snapshot
 NV = "gpu.nvidia.com"
 AMD = "gpu.amd.com"
 NODE = "node-a"
-
-
-def gpu(i: int) -> DeviceIdentity:
-    return DeviceIdentity(
-        uuid=f"GPU-0000000{i}-0000-0000-0000-00000000000{i}", vendor=Vendor.NVIDIA, model="H100", pci_bus_id=f"0000:{0x18 + i:02x}:00.0",
-        index=i, minor=i, memory_total_bytes=80 * 2**30,
-    )
 
 
 def mig(parent: DeviceIdentity, j: int, start: int) -> DeviceIdentity:

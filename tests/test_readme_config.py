@@ -72,7 +72,7 @@ VALUES = {
     "log-level": "debug", "call-timeout": "1.5", "per-process": "true", "pod-label-allowlist": "app,team",
     "kubelet-device-health": "true",
     "exclude-metrics": "dra_claim_pods", "dcgm-compat-labels": "true", "taint-rate-limit": "3",
-    "taint-budget-fraction": "0.1", "taint-hold-seconds": "60", "taint-settle-seconds": "5", "node-fault-window": "7",
+    "taint-hold-seconds": "60", "taint-settle-seconds": "5", "node-fault-window": "7",
     "hung-after": "10", "fault-clear-seconds": "600", "eviction-grace-seconds": "90", "stuck-reading-seconds": "900", "web-config-file": __file__, "node-name": "gpu-node-9",
     "kubelet-socket": "/run/kubelet.sock", "kubeconfig": None, "scenario": "small-node", "time-scale": "30",
 }

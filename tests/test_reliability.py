@@ -151,7 +151,7 @@ def storm_node():
             # not about a slow one (this test shows the agent keeps serving, not how fast).
             call_timeout=10.0,
             # Safety limits out of the way: every failing device gets its rule at its tier.
-            taint_rate_limit=1000, taint_budget_max=1000, taint_budget_fraction=1.0, node_failure_fraction=1.0,
+            taint_rate_limit=1000, taint_budget_max=1000, node_failure_fraction=1.0,
             health_policy=HealthPolicy(), remediation_resync=1.0,
         )
         yield sc, node.api, agent, node.backend

@@ -18,29 +18,33 @@ is called directly, so no test sleeps. Only the remediator-thread test waits (bo
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 from clock_helpers import ManualClock
 from k8s_helpers import api_client, call_json, running_apiserver, wait_until, write_kubeconfig
-from prometheus_client.parser import text_string_to_metric_families
+from kit_helpers import Samples, gpu, parse_samples
 from validation import StrictValidator, has_schema, validate_strict
 
+from drasim.backend import SimBackend
+from drasim.scenario import parse_scenario
+from exporter.agent import Agent
 from exporter.catalog import BY_NAME
 from exporter.config import Config, TaintMode
 from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction, Vendor
 from exporter.health.engine import HealthEngine, HealthPolicy
 from exporter.k8s.connection import ApiError, connect
+from exporter.k8s.discovery import Discovery
 from exporter.k8s.slices import SliceWatcher
 from exporter.k8s.taintrules import TaintRuleClient
-from exporter.metrics.render import Renderer, RenderState
 from exporter.model.join import JoinInputs, join
 from exporter.remediation import names
 from exporter.remediation.boot import BootIdentity
 from exporter.remediation.budget import LocalBudget
 from exporter.remediation.engine import Remediator
 from exporter.remediation.plan import RECORD_REFRESH
-from exporter.wiring import build_remediator
+from exporter.wiring import build_remediator, compose
 
 NODE = "node-a"
 DRIVER = "gpu.nvidia.com"
@@ -51,13 +55,6 @@ RULES = "/devicetaintrules"
 SERVED = {"1.33": "v1alpha3", "1.34": "v1alpha3", "1.35": "v1alpha3", "1.36": "v1beta2", "1.37": "v1"}
 BOOT = BootIdentity("boot-1", T0 - 86400)  # the node's boot: the same for every agent process of a rig
 REFUSED_RETRY = 300.0  # RemediationPolicy.refused_retry's default
-
-
-def gpu(i: int, serial: int = 0) -> DeviceIdentity:
-    return DeviceIdentity(
-        uuid=f"GPU-{serial:04d}{i:04d}-aaaa-bbbb-cccc-dddddddddddd", vendor=Vendor.NVIDIA, model="NVIDIA H100 80GB HBM3",
-        pci_bus_id=f"0000:{0x18 + 0x10 * i:02x}:00.0", index=i, minor=i,
-    )
 
 
 def slice_object(node: str, ids, version: str = "v1", name: str | None = None) -> dict:
@@ -92,11 +89,11 @@ class Rig:
         self.slice_version = "v1beta2" if version == "1.33" else "v1"
         server.apply(slice_object(NODE, self.ids, self.slice_version))
         self.api = connect(str(write_kubeconfig(tmp / "kubeconfig", server.url)))
-        self.watcher = SliceWatcher(self.api, NODE, backoff_initial=0.02, backoff_max=0.2)
+        self.discovery = Discovery(self.api)
+        self.watcher = SliceWatcher(self.api, NODE, discovery=self.discovery, backoff_initial=0.02, backoff_max=0.2)
         self.watcher.start()
         assert self.watcher.wait_synced(10), "slices never listed"
         self.clock = ManualClock(T0)
-        cfg.setdefault("taint_budget_fraction", 1.0)
         # Settle window and node-fault window 0 here: these tests are about what each decision
         # writes, so a fatal fault's rule gets NoExecute in the pass that sees it (as before
         # issue 16). The fence-then-evict tests (test_remediation_domains.py) use the defaults.
@@ -112,7 +109,8 @@ class Rig:
         watches: "listed once, before the rule appears" is how a 409 is met), a local budget."""
         h = health or self.health
         h.set_topology(self.local)
-        rem = build_remediator(self.cfg, self.api, h, self.clock, self.resync, watch=False, rules=TaintRuleClient(self.api),
+        rules = TaintRuleClient(self.api, self.discovery)
+        rem = build_remediator(self.cfg, self.api, h, self.clock, self.resync, watch=False, rules=rules,
                                budget=LocalBudget(self.cfg.taint_budget_max), boot=BOOT, node_state=False)
         rem.update(self.snapshot())
         return rem
@@ -219,18 +217,25 @@ def make_rig(tmp_path):
         cm.__exit__(None, None, None)
 
 
-def metric_samples(rig: Rig) -> dict[str, list]:
-    rep = rig.rem.report()
-    snap = join(JoinInputs(node=NODE, timestamp=rig.clock(), identities=tuple(rig.local), readings={}, health=rig.health.all_health()))
-    body = Renderer().render(
-        RenderState(snapshot=snap, taint_rules=rep.rules, taint_actions=dict(rep.actions), taint_suppressed=dict(rep.suppressed),
-                    budget_exhausted=rep.budget_exhausted, detection_latency=rep.latency, remediation=(rep.mode, rep.active))
-    ).body.decode()
-    out: dict[str, list] = {}
-    for fam in text_string_to_metric_families(body):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
+# The agent the rig's metrics go through: its device source is a simulated GPU it never reads.
+IDLE_DEVICES = parse_scenario({"node": NODE, "gpus": [{"name": "idle"}]}, "rig")
+
+
+def metric_samples(rig: Rig) -> Samples:
+    """What the agent serves for the rig's node: an agent holding the rig's health engine and
+    remediator publishes the rig's snapshot with ``Agent.publish`` (the cycle's own mapping of
+    the remediator's report to metrics, so every report field is rendered as in production)."""
+    parts = compose(rig.cfg, SimBackend(IDLE_DEVICES))
+    agent = Agent(rig.cfg, parts.src, dataclasses.replace(parts.out, health=rig.health, remediation=rig.rem), clock=rig.clock)
+    agent.snapshot = join(JoinInputs(node=NODE, timestamp=rig.clock(), identities=tuple(rig.local), readings={},
+                                     health=rig.health.all_health()))
+    agent.publish()
+    try:
+        exposition = agent.expositions.current(timeout=60)
+        assert exposition is not None
+        return parse_samples(exposition.body.decode())
+    finally:
+        agent.expositions.close()  # not agent.stop(): the rig goes on with its remediator
 
 
 # ------------------------------------------------------------------------------ versions and schemas

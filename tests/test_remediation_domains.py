@@ -21,6 +21,7 @@ from exporter.config import Config, TaintMode
 from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction, Vendor
 from exporter.health.engine import HealthEngine, HealthPolicy
 from exporter.k8s.connection import connect
+from exporter.k8s.discovery import Discovery
 from exporter.k8s.slices import SliceWatcher
 from exporter.model.join import JoinInputs, join
 from exporter.remediation import names
@@ -72,7 +73,8 @@ class Rig:
         for s in slices:
             server.apply(s)
         self.api = connect(str(write_kubeconfig(tmp / "kubeconfig", server.url)))
-        self.watcher = SliceWatcher(self.api, NODE, backoff_initial=0.02, backoff_max=0.2)
+        discovery = Discovery(self.api)
+        self.watcher = SliceWatcher(self.api, NODE, discovery=discovery, backoff_initial=0.02, backoff_max=0.2)
         self.watcher.start()
         assert self.watcher.wait_synced(10)
         want = sum(len(s["spec"].get("devices", [])) for s in slices)
@@ -362,8 +364,6 @@ def test_an_admins_deletion_is_remembered_across_restarts(make_rig):
 def test_a_fatal_rule_is_kept_after_a_restart_until_a_reset_is_observed(make_rig):
     """Regression (issue 16, 4): a restarted agent reported the GPU healthy at once and stepped
     the rule down after the hold, although no reset happened."""
-    if not hasattr(HealthEngine, "restore"):
-        pytest.skip("needs team health's HealthEngine.restore")
     slices, ids = plain_gpus(8)
     rig = make_rig(slices, ids)
     rig.xid(ids[0].uuid, 48)
@@ -394,8 +394,6 @@ def test_an_instance_scoped_fault_touches_only_that_instance(make_rig):
     GPU/compute instance, the instance's own ECC) covers that instance's device only: no
     sibling's rule, no parent's. (The condition is put in through HealthEngine.restore, the
     agreed way to create one on a given device.)"""
-    if not hasattr(HealthEngine, "restore"):
-        pytest.skip("needs team health's HealthEngine.restore")
     from exporter.health.model import Tier
 
     rig, migs = static_mig_rig(make_rig)

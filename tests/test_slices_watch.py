@@ -24,6 +24,7 @@ from exporter.k8s.connection import (
 )
 from exporter.k8s.discovery import Discovery, pick_version, resource_version_for, served_versions
 from exporter.k8s.slices import SliceWatcher
+from exporter.k8s.watch import Reflector
 
 NV = "gpu.nvidia.com"
 SLICES = r"/apis/resource\.k8s\.io/[^/]+/resourceslices$"
@@ -57,6 +58,12 @@ def names(watcher: SliceWatcher) -> set[str]:
     return {dev for (_driver, _pool, dev) in watcher.devices()}
 
 
+def slice_watcher(server, node: str = "node-a", **kwargs) -> SliceWatcher:
+    """A SliceWatcher as the wiring builds it, with the agent's shared Discovery."""
+    client = client_for(server)
+    return SliceWatcher(client, node, discovery=Discovery(client), **kwargs)
+
+
 @contextmanager
 def watching(server, node: str = "node-a", **kwargs):
     changes = []
@@ -68,7 +75,7 @@ def watching(server, node: str = "node-a", **kwargs):
 
     kwargs.setdefault("backoff_initial", 0.02)
     kwargs.setdefault("backoff_max", 0.2)
-    w = SliceWatcher(client_for(server), node, on_change=on_change, **kwargs)
+    w = slice_watcher(server, node, on_change=on_change, **kwargs)
     w.changes = changes
     w.start()
     try:
@@ -238,7 +245,7 @@ def test_429_with_retry_after_is_an_error_then_recovers():
     with running_apiserver("1.34", bookmark_interval=3600) as server:
         server.apply(slice_obj("a-0"))
         server.fail_next("GET", SLICES, 429, retry_after=0, watch=False)
-        w = SliceWatcher(client_for(server), "node-a", backoff_initial=0.02, backoff_max=0.1)
+        w = slice_watcher(server, backoff_initial=0.02, backoff_max=0.1)
         w.start()
         try:
             wait_until(lambda: w.synced)
@@ -292,7 +299,7 @@ def test_version_discovery(release, served, expected):
 
 def test_no_dra_api_keeps_retrying_without_crashing():
     with running_apiserver("1.32", served_versions={"v1"}, bookmark_interval=3600) as server:
-        w = SliceWatcher(client_for(server), "node-a", backoff_initial=0.02, backoff_max=0.05)
+        w = slice_watcher(server, backoff_initial=0.02, backoff_max=0.05)
         w.start()
         try:
             wait_until(lambda: w.stats.errors >= 2)
@@ -429,6 +436,16 @@ def test_discovery_per_release():
         assert resource_version_for(client_for(server), "resource.k8s.io", "devicetaintrules") == "v1"
 
 
+def test_a_watch_needing_discovery_gets_the_shared_one_or_none_at_all():
+    # only the wiring builds the Discovery: a watch that would have to ask which version is
+    # served refuses to start without it, rather than building a second cache of its own
+    client = object()  # never called: the refusal comes before any request
+    with pytest.raises(ValueError, match="needs the shared Discovery"):
+        Reflector(client, group="resource.k8s.io", resource="resourceslices", label="node-a")
+    Reflector(client, group="resource.k8s.io", resource="resourceslices", label="node-a", api_version="v1")
+    Reflector(client, group="", resource="nodes", label="node-a")  # the core group: always v1
+
+
 def test_discovery_cache_and_refresh():
     with running_apiserver("1.34") as server:
         disco = Discovery(client_for(server))
@@ -450,7 +467,7 @@ def test_a_failing_on_change_callback_does_not_stop_the_watcher():
         raise RuntimeError("consumer bug")
 
     with running_apiserver("1.34", bookmark_interval=3600) as server:
-        w = SliceWatcher(client_for(server), "node-a", on_change=explode, backoff_initial=0.02, backoff_max=0.1)
+        w = slice_watcher(server, on_change=explode, backoff_initial=0.02, backoff_max=0.1)
         w.start()
         try:
             wait_until(lambda: w.synced)

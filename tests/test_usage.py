@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kit_helpers import gpu
 
 from exporter.devices.model import DeviceIdentity, DeviceReading, ReadError, Vendor
 from exporter.health.model import DeviceHealth
@@ -25,10 +26,6 @@ from exporter.model.snapshot import AllocationView, ClaimView, DeviceView, Snaps
 from exporter.model.usage import EQUAL, PER_PROCESS, DeviceSplit, UsageAccountant, device_weights, mig_weight, split_devices
 
 H100 = "NVIDIA H100 80GB HBM3"
-
-
-def gpu(name: str, model: str = H100, vendor: Vendor = Vendor.NVIDIA) -> DeviceIdentity:
-    return DeviceIdentity(uuid=f"GPU-{name}", vendor=vendor, model=model, pci_bus_id="0000:18:00.0", index=0, memory_total_bytes=80 * 2**30)
 
 
 def mig(parent: DeviceIdentity, name: str, profile: str, memory: int | None = None) -> DeviceIdentity:
@@ -47,7 +44,7 @@ def amd_group(name: str, n: int) -> list[DeviceIdentity]:
     ]
 
 
-G0, G1, G2 = gpu("0"), gpu("1"), gpu("2")
+G0, G1, G2 = gpu(0), gpu(1), gpu(2)
 M3A, M3B, M1 = mig(G2, "3a", "3g.40gb"), mig(G2, "3b", "3g.40gb"), mig(G2, "1", "1g.10gb")
 AMD = amd_group("a", 2)
 IDENTS = (G0, G1, G2, M3A, M3B, M1, *AMD)

@@ -82,7 +82,7 @@ class ClaimCache:
         ttl: float = math.inf,
         *,
         negative_ttl: float = 10.0,
-        discovery: Discovery | None = None,
+        discovery: Discovery,
         clock: Callable[[], float] = time.monotonic,
         backoff_initial: float = 1.0,
         backoff_max: float = 60.0,
@@ -91,7 +91,7 @@ class ClaimCache:
         self._client = client
         self._forced_version = api_version.rsplit("/", 1)[-1] if api_version else None
         self._version = self._forced_version
-        self._discovery = discovery or Discovery(client)
+        self._discovery = discovery
         self._preference = preference
         self.ttl = ttl
         self.negative_ttl = negative_ttl

@@ -141,9 +141,9 @@ def parse_rule(obj: dict[str, Any]) -> StoredRule | None:
 
 
 class TaintRuleClient:
-    def __init__(self, client: ApiClient, discovery: Discovery | None = None) -> None:
+    def __init__(self, client: ApiClient, discovery: Discovery) -> None:
         self.client = client
-        self.discovery = discovery or Discovery(client)
+        self.discovery = discovery
         self._served: ServedTaintRules | None = None
 
     def served(self) -> ServedTaintRules:

@@ -93,6 +93,9 @@ class Reflector(Generic[T]):
         self.label_selector = label_selector
         self._forced_version = api_version.rsplit("/", 1)[-1] if api_version else ("v1" if not group else None)
         self._version: str | None = self._forced_version
+        if self._version is None and discovery is None:
+            # one Discovery per agent, built by the wiring: a watch never builds its own
+            raise ValueError(f"a watch of {group}/{resource} without a version needs the shared Discovery")
         self._discovery = discovery
         self._preference = preference
         self._watch_timeout = watch_timeout
@@ -245,8 +248,7 @@ class Reflector(Generic[T]):
 
     def _ensure_version(self) -> str | None:
         if self._version is None:
-            if self._discovery is None:
-                self._discovery = Discovery(self._client)
+            assert self._discovery is not None  # __init__: no version, so a Discovery
             self._version = self._discovery.version_for(self.group, self.resource, self._preference)
             if self._version:
                 log.info("watch_version", kind=self.kind, version=self._version)
