@@ -40,7 +40,9 @@ REPORTED: Slot[Mapping[DeviceKey, str]] = Slot("kubelet_health")
 
 class PodWatcher(Reflector[PodInfo]):
     """List+watch of this node's pods (``fieldSelector=spec.nodeName=<node>``), keyed
-    ``namespace/name``. Also a pod source for labels and per-process attribution (``list``)."""
+    ``namespace/name``. Also a pod source for labels and per-process attribution (``list``).
+    Finished pods are dropped: they hold no device, and the kubelet no longer updates their status
+    (kubernetes#132978); a batch node's completed Jobs would otherwise be kept and walked."""
 
     kind = "pods"
 
@@ -67,7 +69,7 @@ class PodWatcher(Reflector[PodInfo]):
             return None
 
     def _keep(self, item: PodInfo) -> bool:
-        return item.node_name in ("", self.node_name)
+        return item.node_name in ("", self.node_name) and item.phase not in ("Succeeded", "Failed")
 
     def _recompute(self) -> None:
         self.version += 1
@@ -97,8 +99,6 @@ def reported_health(
     out: dict[DeviceKey, str] = {}
     unmatched = 0
     for pod in pods:
-        if pod.phase in ("Succeeded", "Failed"):
-            continue
         for r in pod.reported:
             key = _device_of(r.resource_id) or _only_device(claims.get((pod.namespace, r.claim)), r.request)
             if key is None or r.health not in HEALTH_RANK:
