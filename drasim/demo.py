@@ -191,6 +191,12 @@ def list_scenarios() -> int:
     return 0
 
 
+def _driver_taints(sc: Scenario) -> str:
+    """The banner's line for the taints the simulated driver put in its slice (dra_device_taint_info)."""
+    taints = [f"{g.device_name} {k}={v}:{e}" for g in sc.gpus for k, v, e in g.taints]
+    return f"  driver taints:  {', '.join(taints)} (in its ResourceSlice: dra_device_taint_info)\n" if taints else ""
+
+
 def _device_uuids(sc: Scenario) -> dict[str, str]:
     """DRA device name -> UUID for the scenario's GPUs and MIG instances."""
     out = {}
@@ -231,6 +237,7 @@ def run_demo(cfg: Config, stop: threading.Event | None = None) -> int:
             f"  kubelet socket: {cluster.socket}\n"
             f"  Kubernetes API: {cluster.api.url} (kubeconfig {cluster.kubeconfig})\n"
             f"  taint mode:     {cfg.taint_mode.value}\n"
+            f"{_driver_taints(scenario)}"
             "Press Ctrl-C to stop.",
             flush=True,
         )

@@ -158,10 +158,13 @@ def node(sc: Scenario) -> dict[str, Any]:
 def resource_slice(sc: Scenario) -> dict[str, Any]:
     devices: list[dict[str, Any]] = []
     for g in sc.gpus:
-        if g.mig:
-            devices.extend(_mig_device(sc, g, m) for m in g.mig)
-        else:
-            devices.append(_gpu_device(sc, g))
+        if not g.published:
+            continue
+        mine = [_mig_device(sc, g, m) for m in g.mig] if g.mig else [_gpu_device(sc, g)]
+        for d in mine:
+            if g.taints:  # NVIDIA's driver leaves timeAdded to the API server
+                d["taints"] = [{"key": k, "value": v, "effect": e} for k, v, e in g.taints]
+        devices.extend(mine)
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceSlice",

@@ -111,6 +111,10 @@ class GpuSpec:
     memory_used: Curve
     temperature_base: float
     mig: tuple[MigSpec, ...] = ()
+    # taints the driver put on the GPU in its slice (each of its MIG devices for a GPU in MIG
+    # mode), as NVIDIA's driver writes them: (key, value, effect), e.g. gpu.nvidia.com/xid=43:None
+    taints: tuple[tuple[str, str, str], ...] = ()
+    published: bool = True  # False: the slice leaves the GPU out (a plugin that missed it)
 
     @property
     def device_name(self) -> str:
@@ -410,9 +414,20 @@ def _parse_gpu(i: int, raw: Any, node: str) -> GpuSpec:
         memory_used=mem,
         temperature_base=o.num("temperature_celsius", 35.0),
         mig=tuple(migs),
+        taints=tuple(_parse_taint(t, f"{where}.taints[{j}]") for j, t in enumerate(o.list("taints"))),
+        published=o.bool("published", True),
     )
     o.done()
     return g
+
+
+def _parse_taint(raw: Any, where: str) -> tuple[str, str, str]:
+    t = _Obj(raw, where)
+    out = (t.str("key"), str(t.get("value", "")), t.str("effect", "NoSchedule"))
+    if out[2] not in ("None", "NoSchedule", "NoExecute"):
+        raise ScenarioError(f"{where}.effect: expected None, NoSchedule or NoExecute, got {_show(out[2])}")
+    t.done()
+    return out
 
 
 # an extended resource name: a domain-prefixed name (nvidia.com/gpu), as the API requires

@@ -261,6 +261,7 @@ class Agent:
         dev = self.status.get(self.src.devices.name)
         problems = [f"{n}: {s.error}" for n, s in sorted(self.status.items()) if not s.success and s.error and n != self.src.devices.name]
         problems += [p for c in self.src.all for p in c.problems()]
+        problems += self.snapshot.unpublished_notes() if self.snapshot is not None else []
         starved = self.starvation.state()
         if starved.starved:
             # The agent's problem, not a device's: late reads are not held against the GPUs.

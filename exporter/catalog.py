@@ -24,6 +24,9 @@ def _m(name: str, kind: str, labels: str, help: str) -> MetricDef:
     return MetricDef(name, kind, tuple(x for x in labels.split(",") if x), help)
 
 
+#: dra_device_taint_info's source for this agent's own DeviceTaintRules (a driver's taints: the driver's name)
+OUR_TAINT_SOURCE = "dra-gpu-exporter"
+
 U = "uuid"
 CATALOG: tuple[MetricDef, ...] = (
     # devices
@@ -76,9 +79,11 @@ CATALOG: tuple[MetricDef, ...] = (
     _m("dra_pod_device_seconds_total", "counter", "namespace,pod", "Allocated device-time of the pod: its claims' device-seconds split equally between their pods, plus its device-plugin devices"),
     _m("dra_pod_device_share_ratio", "gauge", "uuid,namespace,pod,rule", "The pod's share of a device's usage, memory and energy, 0..1 (a device's shares add up to 1); rule=per_process (by its processes' memory, --per-process) or equal (equally between the device's claims, then their pods)"),
     _m("dra_unresolved_devices", "gauge", "driver", "Allocated devices that could not be resolved to a local device; 0 for every driver of this node's ResourceSlices when all resolve"),
+    _m("dra_unpublished_devices", "gauge", "driver", "Physical GPUs the device library sees that no ResourceSlice of this node publishes for the driver (nothing of the GPU published: not the GPU, no MIG device or partition of it); the scheduler cannot allocate them"),
     _m("dra_pod_labels", "gauge", "namespace,pod,labels", "Allow-listed pod labels (--pod-label-allowlist), as label_<key> labels"),
     # remediation
     _m("dra_device_taint_rule", "gauge", "driver,pool,device,effect,tier", "1 per DeviceTaintRule this agent owns"),
+    _m("dra_device_taint_info", "gauge", "driver,pool,device,uuid,key,value,effect,source", "1 per taint on a device of this node, from every source this agent reads: the driver's ResourceSlice (source: the driver) and this agent's own DeviceTaintRules (source: dra-gpu-exporter)"),
     _m("dra_taint_pods_pending_eviction", "gauge", "rule,driver,pool,device", "Pods on this node still holding the device of a NoExecute DeviceTaintRule this agent owns (rule: its name), from the kubelet's PodResources; 0 once they have gone"),
     _m("dra_gpu_exporter_taint_actions_total", "counter", "action", "Remediation actions: create, adopt, update (effect changed), refresh (reason, evidence or sticky mark changed), delete, dry_run"),
     # The reasons come from the enum the remediator counts with, so none can go undocumented.

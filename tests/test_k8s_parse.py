@@ -93,6 +93,24 @@ def test_v1beta1_nested_basic_gives_the_same_devices():
     assert [(d.key, d.attributes, d.capacity) for d in beta] == [(d.key, d.attributes, d.capacity) for d in v1]
 
 
+@pytest.mark.parametrize("version", ["v1", "v1beta2", "v1beta1"])
+def test_driver_taints_in_nvidias_format_in_every_shape(version):
+    """NVIDIA's DRA driver writes key, value (the XID) and effect, and leaves timeAdded to the API
+    server, which then sets it; v1beta1 nests the taints under basic like the attributes."""
+    obj = nvidia_slice_v1()
+    obj["spec"]["devices"][0]["taints"] = [
+        {"key": "gpu.nvidia.com/xid", "value": "79", "effect": "NoSchedule", "timeAdded": "2026-11-28T10:00:00Z"},
+        {"key": "gpu.nvidia.com/gpu-lost", "effect": "NoSchedule"},
+    ]
+    obj["spec"]["devices"][1]["taints"] = [{"key": "gpu.nvidia.com/unmonitored", "effect": "None"}]
+    obj = to_v1beta1(obj) if version == "v1beta1" else {**obj, "apiVersion": f"resource.k8s.io/{version}"}
+    gpu, mig = parse_slice(obj, version)
+    assert [(t.key, t.value, t.effect) for t in gpu.taints] == [("gpu.nvidia.com/xid", "79", "NoSchedule"), ("gpu.nvidia.com/gpu-lost", "", "NoSchedule")]
+    assert [(t.key, t.value, t.effect) for t in mig.taints] == [("gpu.nvidia.com/unmonitored", "", "None")]
+    # a changed taint is a changed device: the join re-derives what the node publishes
+    assert gpu != parse_slice(nvidia_slice_v1(), "v1")[0]
+
+
 def test_list_items_without_apiversion_use_the_requested_version():
     obj = to_v1beta1(nvidia_slice_v1())
     del obj["apiVersion"]  # items of a list response carry no apiVersion

@@ -13,6 +13,16 @@ AttributeValue = str | int | bool
 
 
 @dataclass(frozen=True)
+class DeviceTaint:
+    """A taint the driver put on a device in its ResourceSlice (KEP-5055 ``Device.taints``).
+    ``timeAdded`` is left out: nothing here reads it, and it would only make equal taints differ."""
+
+    key: str
+    value: str
+    effect: str  # NoSchedule | NoExecute | None (an unknown effect is kept as written)
+
+
+@dataclass(frozen=True)
 class SliceDevice:
     driver: str
     pool: str
@@ -24,6 +34,8 @@ class SliceDevice:
     capacity: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
     slice_name: str = ""
     pool_generation: int = 0
+    # compared: a changed taint is a changed device (the join re-derives what it publishes)
+    taints: tuple[DeviceTaint, ...] = ()
 
     @property
     def key(self) -> tuple[str, str, str]:

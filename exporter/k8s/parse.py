@@ -33,6 +33,7 @@ from .model import (
     AllocatedDevice,
     AttributeValue,
     ClaimInfo,
+    DeviceTaint,
     DeviceToleration,
     OwnerRef,
     PodInfo,
@@ -158,6 +159,15 @@ def _tolerations(value: Any, where: str) -> tuple[DeviceToleration, ...]:
             effect=_str(t.get("effect"), f"{twhere}.effect", required=False),
             seconds=None if seconds is None else _int(seconds, f"{twhere}.tolerationSeconds"),
         ))
+    return tuple(out)
+
+
+def _taints(value: Any, where: str) -> tuple[DeviceTaint, ...]:
+    out = []
+    for i, raw in enumerate(_list(value, where)):
+        t = _dict(raw, f"{where}[{i}]")
+        out.append(DeviceTaint(_str(t.get("key"), f"{where}[{i}].key"), _str(t.get("value"), f"{where}[{i}].value", required=False),
+                               _str(t.get("effect"), f"{where}[{i}].effect")))
     return tuple(out)
 
 
@@ -298,6 +308,8 @@ def _parse_slice(obj: Any, api_version: str) -> ParsedSlice:
                 capacity=capacity,
                 slice_name=slice_name,
                 pool_generation=generation,
+                # v1 and v1beta2: on the device; v1beta1: under basic, with the attributes
+                taints=_taints(body.get("taints"), f"{dwhere}.taints"),
             )
         )
     return ParsedSlice(

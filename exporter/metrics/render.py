@@ -37,10 +37,10 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from .. import __version__
-from ..catalog import BY_NAME
+from ..catalog import BY_NAME, OUR_TAINT_SOURCE
 from ..collect import SourceStats
 from ..devices.model import DeviceIdentity
-from ..model.snapshot import AllocationView, Snapshot
+from ..model.snapshot import AllocationView, PublishedDevice, Snapshot
 from ..model.usage import DeviceSplit, Usage
 from . import escaping
 from .webstats import HttpStats
@@ -75,6 +75,12 @@ class TaintRuleView(Protocol):
     def effect(self) -> str: ...
     @property
     def tier(self) -> str: ...
+    @property
+    def uuid(self) -> str: ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def value(self) -> str: ...
 
 
 class PendingEvictionView(Protocol):
@@ -296,6 +302,8 @@ class SnapshotCollector(Collector):
         self._info: tuple[str, tuple[DeviceIdentity, ...], list[Row]] | None = None
         # (node, the usage's splits, their dra_pod_device_share_ratio rows)
         self._share_rows: tuple[str, tuple[DeviceSplit, ...], list[Row]] | None = None
+        # (node, the snapshot's published devices, their driver taints' dra_device_taint_info rows)
+        self._taint_rows: tuple[str, tuple[PublishedDevice, ...] | None, dict[tuple[str, ...], int]] | None = None
         # claims', pods' (node, keys of the usage totals, their label tuples)
         self._usage_keys: list[tuple[str, tuple[tuple[str, str], ...], tuple[tuple[str, str, str], ...]] | None] = [None, None]
 
@@ -318,6 +326,7 @@ class SnapshotCollector(Collector):
         yield from self._devices(node, snap, st)
         yield from self._health(node, snap, st)
         yield from self._attribution(node, snap, st)
+        yield from self._taints(node, snap, st)
         yield from self._remediation(node, st)
 
     # -- families ----------------------------------------------------------------------------
@@ -523,10 +532,10 @@ class SnapshotCollector(Collector):
             yield fam
         if st.usage is not None:
             yield from self._usage(node, st.usage)
-        un = _fam("dra_unresolved_devices")
-        for drv, n in sorted(snap.unresolved.items()):
-            un.add_metric([node, drv], n)
-        yield un
+        for name, counts in (("dra_unresolved_devices", snap.unresolved), ("dra_unpublished_devices", snap.unpublished)):
+            fam = _fam(name)
+            fam.add_rows([((node, drv), n) for drv, n in sorted(counts.items())])
+            yield fam
         if st.pod_label_allowlist:
             keys = st.pod_label_allowlist
             lbl = Gauge(
@@ -571,6 +580,21 @@ class SnapshotCollector(Collector):
         if cached is None or cached[0] != node or cached[1] is not keys:
             cached = self._usage_keys[which] = (node, keys, tuple((node, k[0], k[1]) for k in keys))
         return cached[2]
+
+    def _taints(self, node: str, snap: Snapshot, st: RenderState) -> Iterable[Metric]:
+        """Every taint on this node's devices, by source: the drivers' (in their slices) and ours."""
+        cached = self._taint_rows
+        if cached is None or cached[0] != node or cached[1] is not snap.published:
+            # The join hands back the very same published tuple while the slices stand still.
+            rows: dict[tuple[str, ...], int] = {
+                (node, p.driver, p.pool, p.device, p.uuid, t.key, t.value, t.effect, p.driver): 1 for p in snap.published or () for t in p.taints
+            }
+            cached = self._taint_rows = (node, snap.published, rows)
+        rows = dict(cached[2])
+        rows.update(((node, r.driver, r.pool, r.device, r.uuid, r.key, r.value, r.effect, OUR_TAINT_SOURCE), 1) for r in st.taint_rules)
+        fam = _fam("dra_device_taint_info")
+        fam.add_rows(list(rows.items()))
+        yield fam
 
     def _remediation(self, node: str, st: RenderState) -> Iterable[Metric]:
         rules = _fam("dra_device_taint_rule")

@@ -13,10 +13,10 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ..devices.model import DeviceIdentity, DeviceReading
+from ..devices.model import DeviceIdentity, DeviceReading, Vendor, normalize_pci_bus_id
 from ..health.model import DeviceHealth, Scope
 from ..k8s.model import AllocatedDevice, ClaimInfo, PodInfo, SliceDevice
-from ..k8s.resolve import AMD_DRIVER, NVIDIA_DRIVER, DeviceIndex, Resolution, resolve, resolve_device_plugin
+from ..k8s.resolve import AMD_DRIVER, NVIDIA_DRIVER, PCI_BUS_ID_ATTR, DeviceIndex, Resolution, resolve, resolve_device_plugin
 from ..kubelet.model import AllocationSource, ContainerAllocation
 from .snapshot import AllocationView, ClaimView, DeviceView, PublishedDevice, Snapshot
 
@@ -82,6 +82,7 @@ class _Structure:
     claims: tuple[ClaimGroup, ...]  # sorted
     unresolved: dict[str, int]
     published: tuple[PublishedDevice, ...] = ()
+    unpublished: dict[str, int] | None = None
 
 
 class JoinMemo:
@@ -128,6 +129,7 @@ def join(inp: JoinInputs, memo: JoinMemo | None = None) -> Snapshot:
         pod_labels={k: dict(v) for k, v in (inp.pod_labels or {}).items()},
         pod_uids={p.uid: (p.namespace, p.name) for p in inp.pods if p.uid},
         published=structure.published if inp.slices is not None else None,
+        unpublished=dict(structure.unpublished or {}) if inp.slices is not None else {},
     )
 
 
@@ -179,11 +181,13 @@ def _structure(
 
     # Claim metrics are about GPUs: a NIC in a GPU+NIC claim is not one of its devices, and a
     # claim holding no GPU at all (a compute-domain channel, say) is not exported.
+    published = _published(slices, index)
     return _Structure(
         rows=tuple(rows),
         claims=_claim_groups(r for r in rows if r.driver in gpu_drivers),
         unresolved=_unresolved_counts(slices, unresolved, gpu_drivers, _plugin_gpu_resources(rows)),
-        published=_published(slices, index),
+        published=published,
+        unpublished=_unpublished(slices, published, identities),
     )
 
 
@@ -194,12 +198,35 @@ def _published(slices: Mapping[DeviceKey, SliceDevice], index: DeviceIndex) -> t
     for key, dev in sorted(slices.items()):
         res = resolve(key, dev, None, index)
         if not res.ok:
-            out.append(PublishedDevice(*key, "", ""))
+            out.append(PublishedDevice(*key, "", "", dev.taints))
             continue
         ident = index.by_uuid.get(res.uuid)
         # a DynamicMIG partition resolves to its GPU itself (res.uuid == parent_uuid)
-        out.append(PublishedDevice(*key, res.uuid, res.parent_uuid or (ident.physical_uuid if ident is not None else res.uuid)))
+        gpu = res.parent_uuid or (ident.physical_uuid if ident is not None else res.uuid)
+        out.append(PublishedDevice(*key, res.uuid, gpu, dev.taints))
     return tuple(out)
+
+
+_VENDOR_DRIVERS = {Vendor.NVIDIA: NVIDIA_DRIVER, Vendor.AMD: AMD_DRIVER}
+
+
+def _unpublished(
+    slices: Mapping[DeviceKey, SliceDevice], published: tuple[PublishedDevice, ...], identities: tuple[DeviceIdentity, ...]
+) -> dict[str, int]:
+    """Per GPU driver, the physical GPUs the library sees that no device of this driver's slices
+    lives on (the GPU itself, a MIG device or partition of it): invisible to the scheduler. A
+    GPU in MIG mode whose MIG devices are published is published; 0 for a driver with none. A
+    device the resolver cannot pin to one partition (AMD's AutoPartition devices of a GPU in CPX)
+    still names its GPU by PCI address: that GPU is published."""
+    held = {(p.driver, p.gpu) for p in published}
+    held |= {(d.driver, normalize_pci_bus_id(pci)) for d in slices.values() if isinstance(pci := d.attr(PCI_BUS_ID_ATTR), str) and pci}
+    seen: dict[tuple[str, str], bool] = {}
+    for i in identities:
+        if (drv := _VENDOR_DRIVERS.get(i.vendor)) is not None:
+            key = (drv, i.physical_uuid)
+            seen[key] = seen.get(key, False) or key in held or (drv, normalize_pci_bus_id(i.pci_bus_id)) in held
+    missing = [drv for (drv, _), ok in seen.items() if not ok]
+    return {drv: missing.count(drv) for drv in sorted({drv for drv, _ in seen})}
 
 
 # Device-plugin resources that are GPUs by name. Others on a GPU node (RDMA, SR-IOV NICs,

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from ..k8s.names import label_value, taint_key
 from ..k8s.taintrules import StoredRule
 from .plan import Effect, OwnedRule
 from .report import TaintRuleView
@@ -122,7 +123,7 @@ class OwnedRules:
     def views(self) -> tuple[TaintRuleView, ...]:
         with self._lock:
             return tuple(
-                TaintRuleView(driver=r.driver, pool=r.pool, device=r.device, effect=r.effect, tier=r.tier)
+                TaintRuleView(r.driver, r.pool, r.device, r.effect, r.tier, r.uuid, taint_key(r.tier), label_value(r.reason))
                 for r in sorted(self._rules.values(), key=lambda r: r.key)
                 if not r.virtual
             )

@@ -126,7 +126,7 @@ class RuleWriter:
             return None
         annotations = {names.UUID_ANNOTATION: t.uuid, names.GPU_ANNOTATION: t.domain, names.SCOPE_ANNOTATION: scope,
                        names.FIRST_SEEN_ANNOTATION: micro_time(first or self.clock()), **self._record(d, fresh=True)}
-        spec = RuleSpec(name, t.driver, t.pool, t.device, f"{names.TAINT_DOMAIN}/{d.tier}", names.label_value(d.reason), d.effect,
+        spec = RuleSpec(name, t.driver, t.pool, t.device, names.taint_key(d.tier), names.label_value(d.reason), d.effect,
                         self._labels(d.tier, d.sticky), annotations)
         try:
             created = self.api.create_rule(spec)
@@ -157,7 +157,7 @@ class RuleWriter:
         annotations = self._record(d, fresh)
         # The sticky label only when newly marking: re-sending it would put back a label a person
         # removed since our last look (a merge patch without it leaves it be).
-        change = RuleChange(self._labels(d.tier, d.sticky and not rule.sticky), annotations, f"{names.TAINT_DOMAIN}/{d.tier}",
+        change = RuleChange(self._labels(d.tier, d.sticky and not rule.sticky), annotations, names.taint_key(d.tier),
                             names.label_value(d.reason), d.effect)
         try:
             self.api.patch_rule(rule.name, change)
