@@ -300,6 +300,36 @@ def pod_object(sc: Scenario, p: PodSpec) -> dict[str, Any]:
     }
 
 
+def pod_with_reported_health(
+    sc: Scenario, p: PodSpec, health: dict[str, str], cdi: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """The pod as the kubelet updates its status when the driver streams device health (KEP-4680):
+    ``health`` maps a scenario device ref to Healthy|Unhealthy|Unknown. Per container and claim one
+    ``allocatedResourcesStatus`` entry named ``claim:<pod's claim name>``, its ``resourceID`` the
+    device's first CDI id where ``cdi`` gives one, else ``<driver>/<pool>/<device>``; an id the
+    claim's devices share is listed once (kubelet pkg/kubelet/cm/dra/manager.go)."""
+    obj = pod_object(sc, p)
+    statuses = []
+    for ct in p.containers:
+        if ct.restartable_init:
+            continue
+        entries = []
+        for cn in ct.claims:
+            c = next(c for c in sc.claims if c.namespace == p.namespace and c.name == cn)
+            ids = {(cdi or {}).get(ref) or f"{DRIVER}/{sc.node}/{device_name(sc, ref)}": health[ref]
+                   for ref in reversed(c.devices) if ref in health}  # (reversed: a shared id keeps the first's)
+            if ids:
+                resources = [{"resourceID": i, "health": h} for i, h in reversed(ids.items())]
+                entries.append({"name": f"claim:{cn}", "resources": resources})
+        st: dict[str, Any] = {"name": ct.name, "ready": True, "restartCount": 0, "image": "registry.example/sim:1",
+                              "imageID": "", "started": True, "state": {"running": {}}}
+        if entries:
+            st["allocatedResourcesStatus"] = entries
+        statuses.append(st)
+    obj["status"]["containerStatuses"] = statuses
+    return obj
+
+
 def kubelet_pods(sc: Scenario, pods: list[PodSpec]) -> list[api_pb2.PodResources]:
     """The PodResources answer for these pods: what the kubelet's List returns."""
     out = []

@@ -62,6 +62,10 @@ CATALOG: tuple[MetricDef, ...] = (
     _m("gpu_healthy", "gauge", U, "1 healthy, 0 not (a fatal or degraded condition is active; reading_stuck excepted)"),
     _m("gpu_health_condition", "gauge", "uuid,tier,reason", "1 while a condition is active, tier=fatal|degraded|informational"),
     _m("gpu_xid_errors_total", "counter", "uuid,xid", "XID events received"),
+    _m("dra_device_reported_health", "gauge", "driver,pool,device,uuid,health",
+       "1 per DRA device a pod of this node holds, with the health the kubelet reports for it in the pod's status "
+       "(KEP-4680, from the driver), health=Healthy|Unhealthy|Unknown; never an input to gpu_healthy "
+       "(needs --kubelet-device-health)"),
     # attribution
     _m("dra_device_allocation_info", "gauge", "driver,pool,device,uuid,namespace,pod,container,claim", "The join table: one series per device held by a container; claim empty for device-plugin allocations (driver is then the resource name)"),
     _m("dra_claim_devices", "gauge", "namespace,claim", "GPUs and GPU partitions allocated to the claim on this node (claims without a GPU are not exported)"),

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from ..collect import Collector, Degraded, Gathered, Slot, SourceStats
 from ..devices.deadline import CallHung, DeadlineRunner
@@ -39,6 +39,7 @@ PODS: Slot[tuple[PodInfo, ...]] = Slot("pods")
 FIRST_FETCH_LIMIT = 60.0
 
 
+@runtime_checkable
 class WatchStatsView(Protocol):
     lists: int
     watches: int
@@ -225,4 +226,6 @@ class PodCollector(Collector[tuple[PodInfo, ...]]):
 
     def stats(self) -> SourceStats:
         s = self.pods.stats
+        if isinstance(s, WatchStatsView):  # the pod watch of --kubelet-device-health, shared
+            return watch_stats(s)
         return SourceStats(requests={"list": s.lists}, errors=s.errors, malformed=s.malformed_skipped)

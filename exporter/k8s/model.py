@@ -7,7 +7,7 @@ nested under ``basic``); parsers turn each into these types so nothing downstrea
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 AttributeValue = str | int | bool
 
@@ -119,6 +119,18 @@ class OwnerRef:
     uid: str
 
 
+class ReportedHealth(NamedTuple):
+    """One device's health as the kubelet wrote it into a container's status (KEP-4680
+    ``allocatedResourcesStatus``), for a DRA claim. ``resource_id`` is the kubelet's: the
+    device's first CDI device id when its driver returned any, else ``<driver>/<pool>/<device>``
+    (kubelet pkg/kubelet/cm/dra/manager.go, buildResourceHealth)."""
+
+    claim: str  # the ResourceClaim's name ("" when the pod does not say which)
+    request: str  # "" when the container names the whole claim
+    resource_id: str
+    health: str  # Healthy | Unhealthy | Unknown
+
+
 @dataclass(frozen=True)
 class PodInfo:
     namespace: str
@@ -136,3 +148,4 @@ class PodInfo:
     controller: OwnerRef | None = None
     created_at: float | None = None  # metadata.creationTimestamp (unix seconds)
     deleting_at: float | None = None  # metadata.deletionTimestamp: set while the pod terminates
+    reported: tuple[ReportedHealth, ...] = ()  # the kubelet's health of the pod's DRA devices

@@ -30,7 +30,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .model import AllocatedDevice, AttributeValue, ClaimInfo, DeviceTaint, DeviceToleration, OwnerRef, PodInfo, SliceDevice
+from .model import (
+    AllocatedDevice,
+    AttributeValue,
+    ClaimInfo,
+    DeviceTaint,
+    DeviceToleration,
+    OwnerRef,
+    PodInfo,
+    ReportedHealth,
+    SliceDevice,
+)
 
 T = TypeVar("T")
 
@@ -419,7 +429,7 @@ def _parse_claim(obj: Any) -> ClaimInfo:
 # --------------------------------------------------------------------------- Pod
 
 
-def parse_pod(obj: Any) -> PodInfo:
+def parse_pod(obj: Any, *, reported: bool = False) -> PodInfo:
     """Parse a core/v1 Pod. Raises :class:`ParseError` only.
 
     ``claims`` are the names of the ResourceClaims the pod holds in its namespace: direct
@@ -428,12 +438,13 @@ def parse_pod(obj: Any) -> PodInfo:
     exists) and the DRA extended-resource claim from ``status.extendedResourceClaimStatus``
     (also kept on its own, ``extended_claim``: NoExecute does not evict a pod for that claim's
     devices, kubernetes/kubernetes#141290). The controller, creation and deletion times serve the
-    remediator's account of pods that outstay a NoExecute taint.
+    remediator's account of pods that outstay a NoExecute taint. ``reported``: also the kubelet's
+    device health (``--kubelet-device-health``; otherwise that part of the status is not read).
     """
-    return _only_parse_errors("pod", _parse_pod, obj)
+    return _only_parse_errors("pod", _parse_pod, obj, reported)
 
 
-def _parse_pod(obj: Any) -> PodInfo:
+def _parse_pod(obj: Any, reported: bool = False) -> PodInfo:
     obj, name, namespace, uid, where = _namespaced_meta(obj, "pod")
     spec = _dict(obj.get("spec"), f"{where}: spec", required=False)
     status = _dict(obj.get("status"), f"{where}: status", required=False)
@@ -441,18 +452,22 @@ def _parse_pod(obj: Any) -> PodInfo:
     phase = _str(status.get("phase"), f"{where}: status.phase", required=False)
 
     claims: list[str] = []
+    named: dict[str, str] = {}  # the pod's name for a claim (spec.resourceClaims[].name) -> the claim's
 
-    def add(claim: Any, at: str) -> None:
+    def add(claim: Any, at: str, ref: Any = None) -> None:
         claim_name = _str(claim, at, required=False)
         if claim_name and claim_name not in claims:
             claims.append(claim_name)
+        if claim_name and isinstance(ref, str):
+            named[ref] = claim_name
 
     for i, rc in enumerate(_list(spec.get("resourceClaims"), f"{where}: spec.resourceClaims")):
         rc = _dict(rc, f"{where}: spec.resourceClaims[{i}]")
-        add(rc.get("resourceClaimName"), f"{where}: spec.resourceClaims[{i}].resourceClaimName")
+        add(rc.get("resourceClaimName"), f"{where}: spec.resourceClaims[{i}].resourceClaimName", rc.get("name"))
     for i, rcs in enumerate(_list(status.get("resourceClaimStatuses"), f"{where}: status.resourceClaimStatuses")):
-        rcs = _dict(rcs, f"{where}: status.resourceClaimStatuses[{i}]")
-        add(rcs.get("resourceClaimName"), f"{where}: status.resourceClaimStatuses[{i}].resourceClaimName")
+        at = f"{where}: status.resourceClaimStatuses[{i}]"
+        rcs = _dict(rcs, at)
+        add(rcs.get("resourceClaimName"), f"{at}.resourceClaimName", rcs.get("name"))
     ext = _dict(status.get("extendedResourceClaimStatus"), f"{where}: status.extendedResourceClaimStatus", required=False)
     extended = _str(ext.get("resourceClaimName"), f"{where}: status.extendedResourceClaimStatus.resourceClaimName", required=False)
     add(extended, f"{where}: status.extendedResourceClaimStatus.resourceClaimName")
@@ -477,4 +492,28 @@ def _parse_pod(obj: Any) -> PodInfo:
         controller=controller,
         created_at=_time(meta.get("creationTimestamp"), f"{where}: metadata.creationTimestamp"),
         deleting_at=_time(meta.get("deletionTimestamp"), f"{where}: metadata.deletionTimestamp"),
+        reported=_reported_health(status, named, where) if reported else (),
     )
+
+
+def _reported_health(status: dict[str, Any], named: dict[str, str], where: str) -> tuple[ReportedHealth, ...]:
+    """The kubelet's KEP-4680 health of the pod's DRA devices: ``status.containerStatuses[]
+    .allocatedResourcesStatus[]``, whose ``name`` is ``claim:<pod's claim name>`` or
+    ``claim:<name>/<request>`` for a DRA claim (kubelet pkg/kubelet/cm/dra/manager.go,
+    UpdateAllocatedResourcesStatus); device-plugin entries (a resource name) are not read."""
+    out: list[ReportedHealth] = []
+    for i, cs in enumerate(_list(status.get("containerStatuses"), f"{where}: status.containerStatuses")):
+        cs = _dict(cs, f"{where}: status.containerStatuses[{i}]")
+        at = f"{where}: status.containerStatuses[{i}].allocatedResourcesStatus"
+        for j, rs in enumerate(_list(cs.get("allocatedResourcesStatus"), at)):
+            rs = _dict(rs, f"{at}[{j}]")
+            ref, _, request = _str(rs.get("name"), f"{at}[{j}].name").partition("/")
+            if not ref.startswith("claim:"):
+                continue
+            claim = named.get(ref[len("claim:"):], "")
+            for k, rh in enumerate(_list(rs.get("resources"), f"{at}[{j}].resources")):
+                rat = f"{at}[{j}].resources[{k}]"
+                rh = _dict(rh, rat)
+                health = _str(rh.get("health"), f"{rat}.health", required=False) or "Unknown"
+                out.append(ReportedHealth(claim, request, _str(rh.get("resourceID"), f"{rat}.resourceID"), health))
+    return tuple(out)

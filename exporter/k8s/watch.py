@@ -14,7 +14,7 @@
 Every request carries a field or label selector naming this node (or one object), so at rest an
 agent costs the API server one open watch per reflector and nothing else, whatever the size of
 the cluster. :class:`Reflector` is generic; :class:`exporter.k8s.slices.SliceWatcher`,
-:class:`NodeWatch` and :class:`OwnedRuleWatch` are its uses.
+:class:`NodeWatch`, :class:`OwnedRuleWatch` and :class:`exporter.k8s.podhealth.PodWatcher` are its uses.
 """
 
 from __future__ import annotations
@@ -136,6 +136,10 @@ class Reflector(Generic[T]):
 
     def _page_size(self) -> int:
         return LIST_PAGE_SIZE
+
+    def _key_of(self, obj: Any) -> str:
+        """The object's key in the state ("" for none): its name (cluster-scoped, or one namespace)."""
+        return _name_of(obj)
 
     # ------------------------------------------------------------------ public
 
@@ -288,7 +292,7 @@ class Reflector(Generic[T]):
                 if parsed is None:
                     malformed += 1
                 elif self._keep(parsed):
-                    items[_name_of(obj)] = parsed
+                    items[self._key_of(obj)] = parsed
             cont = meta.get("continue") or ""
             if not cont:
                 rv = str(meta.get("resourceVersion") or "")
@@ -382,8 +386,8 @@ class Reflector(Generic[T]):
                 self._stats.malformed_skipped += 1
             log.warning("watch_bad_event", kind=self.kind, node=self.label, type=str(etype), raw=str(event.get("raw", ""))[:200])
             return
-        name = meta.get("name") if isinstance(meta, dict) else None
-        if not isinstance(name, str) or not name:
+        name = self._key_of(obj)
+        if not name:
             with self._lock:
                 self._stats.malformed_skipped += 1
             log.warning("watch_malformed", kind=self.kind, node=self.label, error=f"{etype} event without metadata.name")

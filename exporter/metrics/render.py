@@ -450,6 +450,10 @@ class SnapshotCollector(Collector):
         for (uuid, code), n in sorted(st.xid_counts.items()):
             xid.add_metric([node, uuid, str(code)], n)
         yield xid
+        if snap.reported is not None:  # --kubelet-device-health: without it the family is absent
+            rep = _fam("dra_device_reported_health")
+            rep.add_rows([((node, r.driver, r.pool, r.device, r.uuid, r.health), 1) for r in snap.reported])
+            yield rep
 
     def _attribution(self, node: str, snap: Snapshot, st: RenderState) -> Iterable[Metric]:
         alloc = _fam("dra_device_allocation_info")

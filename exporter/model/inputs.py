@@ -9,18 +9,20 @@ nothing here.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 from ..collect import Gathered
 from ..devices.collector import DEVICES
 from ..devices.model import DeviceIdentity, DeviceReading
 from ..health.model import DeviceHealth
 from ..k8s.collectors import CLAIMS, PODS, SLICES
+from ..k8s.podhealth import REPORTED
 from ..k8s.resolve import DeviceIndex, resolve
 from ..kubelet.collector import KUBELET
 from ..kubelet.model import AllocationSource
 from .join import JoinInputs, JoinMemo, join
 from .lost import LostDevices
-from .snapshot import Snapshot
+from .snapshot import ReportedDevice, Snapshot
 
 
 class CycleJoin:
@@ -31,6 +33,8 @@ class CycleJoin:
         self.node = node
         self._lost = LostDevices()
         self._memo = JoinMemo()
+        # (the kubelet's reports, the published devices, their rows): see _reported
+        self._rep: tuple[object, object, tuple[ReportedDevice, ...]] | None = None
 
     def devices(self, found: Gathered) -> tuple[tuple[DeviceIdentity, ...], Mapping[str, DeviceReading]]:
         scan = found.get(DEVICES)
@@ -48,7 +52,7 @@ class CycleJoin:
     ) -> Snapshot:
         kubelet = found.get(KUBELET)
         pods = found.get(PODS) or ()
-        return join(
+        snap = join(
             JoinInputs(
                 node=self.node,
                 timestamp=timestamp,
@@ -64,6 +68,17 @@ class CycleJoin:
             ),
             self._memo,
         )
+        reported = found.get(REPORTED)
+        return snap if reported is None else replace(snap, reported=self._reported(reported, snap))
+
+    def _reported(self, reported: Mapping[tuple[str, str, str], str], snap: Snapshot) -> tuple[ReportedDevice, ...]:
+        """The kubelet's health per device with the local device each resolves to; rebuilt when
+        either the reports or the published devices are other objects than last cycle's."""
+        if self._rep is None or self._rep[0] is not reported or self._rep[1] is not snap.published:
+            uuids = {p.key: p.uuid for p in snap.published or ()}
+            rows = tuple(ReportedDevice(*k, uuids.get(k, ""), h) for k, h in sorted(reported.items()))
+            self._rep = (reported, snap.published, rows)
+        return self._rep[2]
 
 
 class NeededClaims:

@@ -92,6 +92,17 @@ class PublishedDevice(NamedTuple):
         return (self.driver, self.pool, self.device)
 
 
+class ReportedDevice(NamedTuple):
+    """A DRA device of this node with the health the kubelet reports for it (KEP-4680, from its
+    pods' status: exporter/k8s/podhealth.py); ``uuid`` is the local device it resolves to, "" for none."""
+
+    driver: str
+    pool: str
+    device: str
+    uuid: str
+    health: str  # Healthy | Unhealthy | Unknown
+
+
 @dataclass(frozen=True)
 class Snapshot:
     node: str
@@ -108,6 +119,8 @@ class Snapshot:
     # (uuid, namespace, claim) -> what the claim consumed of a device several claims share, where
     # its allocation states it (KEP-5075 consumedCapacity; bytes of memory for NVIDIA's)
     consumed: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    # the kubelet's health per device, sorted by key; None unless --kubelet-device-health (series absent)
+    reported: tuple[ReportedDevice, ...] | None = None
     # GPU driver -> physical GPUs the device library sees and no slice of this node publishes
     # (a GPU counts as published when any device of that driver lives on it); empty while the
     # slices are not listed
