@@ -141,7 +141,7 @@ def _api_collectors(cfg: Config, api: ApiClient, discovery: Discovery) -> list[C
     deadline = max(cfg.call_timeout, 0.5)
     out: list[Collector[object]] = [
         SliceCollector(SliceWatcher(api, cfg.node_name, discovery=discovery)),
-        ClaimCollector(ClaimCache(api, discovery=discovery), NeededClaims(), deadline),
+        ClaimCollector(ClaimCache(api, discovery=discovery), NeededClaims(every=cfg.kubelet_device_health), deadline),
     ]
     # The kubelet's device health comes from a watch of the node's pods, which then also serves
     # labels and per-process attribution (one read of the pods, not a list beside a watch).

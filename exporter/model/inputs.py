@@ -90,9 +90,12 @@ class NeededClaims:
     claim's ``status.devices[].data`` may still name it), a device the slice alone does not
     resolve here, and a device several claims share by consumable capacity (KEP-5075
     ``allowMultipleAllocations``: each claim's ``consumedCapacity`` splits it). Worked out again
-    only when the allocations, the slices or the devices differ."""
+    only when the allocations, the slices or the devices differ. With ``every`` (set by
+    --kubelet-device-health, whose CDI ids are matched through each claim's allocation) every
+    claim is read."""
 
-    def __init__(self) -> None:
+    def __init__(self, every: bool = False) -> None:
+        self.every = every
         self._memo: tuple[tuple[object, ...], list[tuple[str, str]]] | None = None
 
     def __call__(self, found: Gathered) -> list[tuple[str, str]]:
@@ -113,7 +116,8 @@ class NeededClaims:
             device = (a.driver, a.pool, a.device)
             if device not in settled:
                 dev = slices.get(device) if slices is not None else None
-                settled[device] = dev is not None and not dev.multiple and resolve(device, dev, None, index).ok
+                settled[device] = (not self.every and dev is not None and not dev.multiple
+                                   and resolve(device, dev, None, index).ok)
             if not settled[device]:
                 needed.add((a.claim_namespace, a.claim_name))
         self._memo = (key, sorted(needed))
