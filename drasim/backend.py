@@ -17,7 +17,15 @@ from dataclasses import dataclass
 import structlog
 
 from exporter.devices.base import DeviceBackend, EventSink, EventThread
-from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction, Vendor
+from exporter.devices.model import (
+    DeviceEvent,
+    DeviceIdentity,
+    DeviceReading,
+    EventKind,
+    ReadError,
+    RecoveryAction,
+    Vendor,
+)
 
 from .scenario import Fault, GpuSpec, MigSpec, Scenario
 
@@ -335,14 +343,16 @@ class SimBackend(DeviceBackend):
                 # Until the next scripted fault is due (or forever), or until inject() or
                 # close() wakes us. Capped: a clock that barely moves would ask for a wait
                 # longer than a lock accepts.
-                self._wake.wait(min(3600.0, self.clock.real_seconds(pending[0].at - self.clock.now())) if pending else None)
+                self._wake.wait(min(3600.0,
+                                    self.clock.real_seconds(pending[0].at - self.clock.now())) if pending else None)
             batch, self._injected = self._injected, deque()
         while batch and not stopping():
             self._deliver(sink, batch.popleft())  # popped: a delivered event is not kept
         while pending and pending[0].at <= self.clock.now() and not stopping():
             f = pending.popleft()
             uuid = self.scenario.gpu(f.gpu).uuid
-            ev = DeviceEvent(uuid=uuid, kind=_EVENT_KINDS[f.kind], code=f.code, timestamp=self.clock.epoch(f.at), detail=f"scripted {f.kind}")
+            ev = DeviceEvent(uuid=uuid, kind=_EVENT_KINDS[f.kind], code=f.code, timestamp=self.clock.epoch(f.at),
+                             detail=f"scripted {f.kind}")
             log.info("sim_event", uuid=uuid, kind=ev.kind.value, code=f.code, sim_t=round(f.at, 1))
             self._deliver(sink, ev)
 

@@ -244,15 +244,19 @@ def resource_claims(sc: Scenario, pods: list[PodSpec]) -> list[dict[str, Any]]:
                     "name": extended_claim_name(p),
                     "namespace": p.namespace,
                     "annotations": {"resource.kubernetes.io/extended-resource-claim": "true"},
-                    "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": p.name, "uid": pod_uid(p), "controller": True, "blockOwnerDeletion": True}],
+                    "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": p.name, "uid": pod_uid(p),
+                                         "controller": True, "blockOwnerDeletion": True}],
                 },
                 "spec": {"devices": {"requests": [
-                    {"name": req, "exactly": {"deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount", "count": len(refs)}}
+                    {"name": req,
+                     "exactly": {"deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount",
+                                 "count": len(refs)}}
                     for _ct, _res, req, refs in reqs
                 ]}},
                 "status": {
                     "allocation": {"devices": {"results": [
-                        {"request": req, "driver": DRIVER, "pool": sc.node, "device": device_name(sc, ref)} for _ct, _res, req, refs in reqs for ref in refs
+                        {"request": req, "driver": DRIVER, "pool": sc.node,
+                         "device": device_name(sc, ref)} for _ct, _res, req, refs in reqs for ref in refs
                     ]}},
                     "reservedFor": [{"resource": "pods", "name": p.name, "uid": pod_uid(p)}],
                 },
@@ -289,7 +293,8 @@ def pod_object(sc: Scenario, p: PodSpec) -> dict[str, Any]:
     if ext:
         status["extendedResourceClaimStatus"] = {
             "resourceClaimName": extended_claim_name(p),
-            "requestMappings": [{"containerName": ct.name, "resourceName": res, "requestName": req} for ct, res, req, _refs in ext],
+            "requestMappings": [{"containerName": ct.name, "resourceName": res,
+                                 "requestName": req} for ct, res, req, _refs in ext],
         }
     return {
         "apiVersion": "v1",
@@ -346,7 +351,8 @@ def kubelet_pods(sc: Scenario, pods: list[PodSpec]) -> list[api_pb2.PodResources
                 # the generated claim, as GetContainerClaimInfos reports it for a container its
                 # request mappings name: all of the claim's devices, like any claim's
                 every = [ref for c2 in p.containers for _res, ref in c2.extended]
-                claims.append(kb.claim(p.namespace, extended_claim_name(p), [(DRIVER, sc.node, device_name(sc, ref), None) for ref in every]))
+                claims.append(kb.claim(p.namespace, extended_claim_name(p),
+                                       [(DRIVER, sc.node, device_name(sc, ref), None) for ref in every]))
             containers.append(kb.container(ct.name, devices=devices, claims=claims))
         out.append(kb.pod(p.namespace, p.name, containers))
     return out

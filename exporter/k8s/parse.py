@@ -168,7 +168,8 @@ def _taints(value: Any, where: str) -> tuple[DeviceTaint, ...]:
     out = []
     for i, raw in enumerate(_list(value, where)):
         t = _dict(raw, f"{where}[{i}]")
-        out.append(DeviceTaint(_str(t.get("key"), f"{where}[{i}].key"), _str(t.get("value"), f"{where}[{i}].value", required=False),
+        out.append(DeviceTaint(_str(t.get("key"), f"{where}[{i}].key"),
+                               _str(t.get("value"), f"{where}[{i}].value", required=False),
                                _str(t.get("effect"), f"{where}[{i}].effect")))
     return tuple(out)
 
@@ -468,8 +469,10 @@ def _parse_pod(obj: Any, reported: bool = False) -> PodInfo:
         at = f"{where}: status.resourceClaimStatuses[{i}]"
         rcs = _dict(rcs, at)
         add(rcs.get("resourceClaimName"), f"{at}.resourceClaimName", rcs.get("name"))
-    ext = _dict(status.get("extendedResourceClaimStatus"), f"{where}: status.extendedResourceClaimStatus", required=False)
-    extended = _str(ext.get("resourceClaimName"), f"{where}: status.extendedResourceClaimStatus.resourceClaimName", required=False)
+    ext = _dict(status.get("extendedResourceClaimStatus"), f"{where}: status.extendedResourceClaimStatus",
+                required=False)
+    extended = _str(ext.get("resourceClaimName"), f"{where}: status.extendedResourceClaimStatus.resourceClaimName",
+                    required=False)
     add(extended, f"{where}: status.extendedResourceClaimStatus.resourceClaimName")
 
     meta = obj["metadata"]
@@ -487,7 +490,8 @@ def _parse_pod(obj: Any, reported: bool = False) -> PodInfo:
         node_name=node_name,
         phase=phase,
         claims=tuple(claims),
-        labels={str(k): str(v) for k, v in _dict(meta.get("labels"), f"{where}: metadata.labels", required=False).items()},
+        labels={str(k): str(v) for k, v in _dict(meta.get("labels"), f"{where}: metadata.labels",
+                                                 required=False).items()},
         extended_claim=extended,
         controller=controller,
         created_at=_time(meta.get("creationTimestamp"), f"{where}: metadata.creationTimestamp"),

@@ -196,7 +196,8 @@ class Reflector(Generic[T]):
             try:
                 version = self._ensure_version()
                 if version is None:
-                    self._fail(f"{self.group} serves no version with {self.resource} (supported: {', '.join(self._preference)})")
+                    self._fail(f"{self.group} serves no version with {self.resource} (supported: "
+                               f"{', '.join(self._preference)})")
                     continue
                 if need_list:
                     self._list(version)
@@ -243,7 +244,8 @@ class Reflector(Generic[T]):
             repeated = self._last_error == message
             self._last_error = message
         # The same failure again (an outage, an oversized answer) is one line, not one per retry.
-        (log.debug if repeated else log.warning)("watch_error", kind=self.kind, node=self.label, error=message, retry_in=round(delay, 2))
+        (log.debug if repeated else log.warning)("watch_error", kind=self.kind, node=self.label, error=message,
+                                                 retry_in=round(delay, 2))
         self._sleep(delay)
 
     def _ensure_version(self) -> str | None:
@@ -384,13 +386,15 @@ class Reflector(Generic[T]):
         if etype not in ("ADDED", "MODIFIED", "DELETED"):
             with self._lock:
                 self._stats.malformed_skipped += 1
-            log.warning("watch_bad_event", kind=self.kind, node=self.label, type=str(etype), raw=str(event.get("raw", ""))[:200])
+            log.warning("watch_bad_event", kind=self.kind, node=self.label, type=str(etype),
+                        raw=str(event.get("raw", ""))[:200])
             return
         name = self._key_of(obj)
         if not name:
             with self._lock:
                 self._stats.malformed_skipped += 1
-            log.warning("watch_malformed", kind=self.kind, node=self.label, error=f"{etype} event without metadata.name")
+            log.warning("watch_malformed", kind=self.kind, node=self.label,
+                        error=f"{etype} event without metadata.name")
             return
         parsed = None if etype == "DELETED" else self._parse_logged(obj, version)
         with self._lock:

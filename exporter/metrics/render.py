@@ -316,7 +316,10 @@ class SnapshotCollector(Collector):
     def _sources(self, node: str, sources: Mapping[str, SourceStats]) -> Iterable[Metric]:
         req, err = _fam("dra_gpu_exporter_source_requests_total"), _fam("dra_gpu_exporter_source_errors_total")
         bad = _fam("dra_gpu_exporter_source_malformed_total")
-        relist, restart = _fam("dra_gpu_exporter_source_relists_total"), _fam("dra_gpu_exporter_source_watch_restarts_total")
+        relist, restart = (
+            _fam("dra_gpu_exporter_source_relists_total"),
+            _fam("dra_gpu_exporter_source_watch_restarts_total"),
+        )
         watching = False
         for name, s in sorted(sources.items()):
             for verb, n in sorted(s.requests.items()):
@@ -352,7 +355,8 @@ class SnapshotCollector(Collector):
             if not a.uuid:
                 continue
             rows.setdefault(a.uuid, []).append(
-                (a.pod, a.namespace, a.container, a.claim, a.namespace if a.claim else "", a.driver if a.claim else "", a.pool, a.device if a.claim else "")
+                (a.pod, a.namespace, a.container, a.claim, a.namespace if a.claim else "", a.driver if a.claim else "",
+                 a.pool, a.device if a.claim else "")
             )
         return rows
 
@@ -477,7 +481,8 @@ class SnapshotCollector(Collector):
             yield fam
         if st.usage is not None:
             yield from self._usage(node, st.usage)
-        for name, counts in (("dra_unresolved_devices", snap.unresolved), ("dra_unpublished_devices", snap.unpublished)):
+        for name, counts in (("dra_unresolved_devices", snap.unresolved),
+                             ("dra_unpublished_devices", snap.unpublished)):
             fam = _fam(name)
             fam.add_rows([((node, drv), n) for drv, n in sorted(counts.items())])
             yield fam
@@ -545,7 +550,8 @@ class SnapshotCollector(Collector):
         h = st.detection_latency
         if h is not None:
             fam = HistogramMetricFamily(
-                "dra_gpu_exporter_detection_to_taint_seconds", BY_NAME["dra_gpu_exporter_detection_to_taint_seconds"].help, labels=["node"]
+                "dra_gpu_exporter_detection_to_taint_seconds",
+                BY_NAME["dra_gpu_exporter_detection_to_taint_seconds"].help, labels=["node"]
             )
             cum, buckets = 0, []
             for bound, n in zip([*h.buckets, float("inf")], h.counts, strict=False):

@@ -251,13 +251,16 @@ class MetricsServer:
         # sampler) must make its probe fail, not freeze the event loop and every scrape with it.
         # One thread each, so a stuck readiness check does not fail liveness and the reverse.
         self._probe_pools = {p: ThreadPoolExecutor(max_workers=1, thread_name_prefix="http-probe") for p in PROBES}
-        self._probe_slots = {p: threading.BoundedSemaphore(self.PROBES_QUEUED) for p in PROBES}  # submitted, not finished
+        self._probe_slots = {
+            p: threading.BoundedSemaphore(self.PROBES_QUEUED) for p in PROBES
+        }  # submitted, not finished
         sock = bind(host, port)
         self._host = host
         tls = self.web_config.tls
         allowed = tls.client_allowed_sans if tls is not None else ()
         peer_check = (lambda cert: client_san_problem(cert, allowed)) if allowed else None
-        self._http = HttpServer(sock, self._handle, limits or Limits(), tls=self._tls.current if self._tls else None, peer_check=peer_check)
+        self._http = HttpServer(sock, self._handle, limits or Limits(), tls=self._tls.current if self._tls else None,
+                                peer_check=peer_check)
         self._started = False
 
     # -- public ------------------------------------------------------------------------------
@@ -329,11 +332,14 @@ class MetricsServer:
             return Response(405, b"method not allowed\n", [("Content-Type", _TEXT), ("Allow", "GET, HEAD")])
         if path in PROBES:
             return await self._probe(self.liveness if path == "/healthz" else self.readiness, path)
-        if self._auth is not None and (ok := await self._auth.allowed(req.headers.get("authorization"), req.peer_ip)) is not True:
+        ok = True if self._auth is None else await self._auth.allowed(req.headers.get("authorization"), req.peer_ip)
+        if ok is not True:
             if ok is None:
-                return Response(429, b"too many credential checks waiting from this address\n", [("Content-Type", _TEXT), ("Retry-After", "1")])
+                return Response(429, b"too many credential checks waiting from this address\n",
+                                [("Content-Type", _TEXT), ("Retry-After", "1")])
             self._http.client_log("http_unauthorized", peer=req.peer)
-            return Response(401, b"unauthorized\n", [("Content-Type", _TEXT), ("WWW-Authenticate", 'Basic realm="dra-gpu-exporter"')])
+            return Response(401, b"unauthorized\n",
+                            [("Content-Type", _TEXT), ("WWW-Authenticate", 'Basic realm="dra-gpu-exporter"')])
         assert route is not None  # (not a probe)
         return await route(req)
 
@@ -350,7 +356,8 @@ class MetricsServer:
         if src is None or not src.published:
             # Before the first cycle there is nothing true to say: an empty 200 would read as
             # "this node has no GPUs". Prometheus records the target as down.
-            return Response(503, b"no metrics yet: the first collection cycle is still running\n", [("Content-Type", _TEXT)])
+            return Response(503, b"no metrics yet: the first collection cycle is still running\n",
+                            [("Content-Type", _TEXT)])
         om = wants_openmetrics(req.headers.get("accept", ""))
         gz = wants_gzip(req.headers.get("accept-encoding", ""))
         form: Form = ("openmetrics_gzipped" if gz else "openmetrics") if om else ("gzipped" if gz else "body")
@@ -371,9 +378,11 @@ class MetricsServer:
             except Exception as e:  # the job itself broke (a render's own failure is caught in it)
                 log.warning("metrics_job_failed", error=one_line(e))
         if exp is None:  # every render so far failed (logged, and said in /readyz)
-            return Response(500, b"metrics could not be rendered: see the agent's log and /readyz\n", [("Content-Type", _TEXT)])
+            return Response(500, b"metrics could not be rendered: see the agent's log and /readyz\n",
+                            [("Content-Type", _TEXT)])
         body = exp.get(form)  # made already: no work here
-        headers = [("Content-Type", OPENMETRICS_CONTENT_TYPE if om else CONTENT_TYPE), ("Vary", "Accept, Accept-Encoding")]
+        headers = [("Content-Type", OPENMETRICS_CONTENT_TYPE if om else CONTENT_TYPE),
+                   ("Vary", "Accept, Accept-Encoding")]
         if gz:
             headers.append(("Content-Encoding", "gzip"))
         return Response(200, body, headers)

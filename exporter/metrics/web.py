@@ -151,7 +151,8 @@ def bind(host: str, port: int, backlog: int = 128) -> socket.socket:
     """A listening socket; ``::`` listens on IPv6 and IPv4 (dual stack) where the host allows."""
     try:
         if host in ("::", "") and socket.has_dualstack_ipv6():
-            return socket.create_server(("::", port), family=socket.AF_INET6, backlog=backlog, reuse_port=False, dualstack_ipv6=True)
+            return socket.create_server(("::", port), family=socket.AF_INET6, backlog=backlog, reuse_port=False,
+                                        dualstack_ipv6=True)
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, _, _, _, addr = infos[0]
         return socket.create_server(addr, family=family, backlog=backlog)
@@ -398,7 +399,8 @@ class _Conn(asyncio.Protocol):
                 req = await self._next_request(h, peer_cert)
             except _Refused as r:
                 srv.client_log("http_request_rejected", peer=self.peer, reason=r.reason)
-                await self._respond(h, Response(r.status, (r.reason + "\n").encode(), [("Content-Type", "text/plain; charset=utf-8")]), r.method, close=True)
+                await self._respond(h, Response(r.status, (r.reason + "\n").encode(),
+                                                [("Content-Type", "text/plain; charset=utf-8")]), r.method, close=True)
                 return
             if req is None:
                 return
@@ -570,7 +572,8 @@ def head_problem(raw: bytes) -> str | None:
 class HttpServer:
     """Serves ``handler`` on a socket from one event-loop thread."""
 
-    def __init__(self, sock: socket.socket, handler: Handler, limits: Limits = Limits(), tls: Callable[[], ssl.SSLContext] | None = None, peer_check: PeerCheck | None = None) -> None:
+    def __init__(self, sock: socket.socket, handler: Handler, limits: Limits = Limits(),
+                 tls: Callable[[], ssl.SSLContext] | None = None, peer_check: PeerCheck | None = None) -> None:
         self.sock = sock
         self.handler = handler
         self.limits = limits

@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from ..devices.model import DeviceIdentity, DeviceReading, Vendor, normalize_pci_bus_id
 from ..health.model import DeviceHealth, Scope
 from ..k8s.model import ClaimInfo, PodInfo, SliceDevice
-from ..k8s.resolve import AMD_DRIVER, NVIDIA_DRIVER, PCI_BUS_ID_ATTR, DeviceIndex, Resolution, resolve, resolve_device_plugin
+from ..k8s.resolve import (
+    AMD_DRIVER,
+    NVIDIA_DRIVER,
+    PCI_BUS_ID_ATTR,
+    DeviceIndex,
+    Resolution,
+    resolve,
+    resolve_device_plugin,
+)
 from ..kubelet.model import AllocationSource, ContainerAllocation
 from .snapshot import AllocationView, ClaimView, DeviceView, PublishedDevice, Snapshot
 
@@ -223,7 +231,8 @@ _VENDOR_DRIVERS = {Vendor.NVIDIA: NVIDIA_DRIVER, Vendor.AMD: AMD_DRIVER}
 
 
 def _unpublished(
-    slices: Mapping[DeviceKey, SliceDevice], published: tuple[PublishedDevice, ...], identities: tuple[DeviceIdentity, ...]
+    slices: Mapping[DeviceKey, SliceDevice], published: tuple[PublishedDevice, ...],
+    identities: tuple[DeviceIdentity, ...]
 ) -> dict[str, int]:
     """Per GPU driver, the physical GPUs the library sees that no device of this driver's slices
     lives on (the GPU itself, a MIG device or partition of it): invisible to the scheduler. A
@@ -231,7 +240,8 @@ def _unpublished(
     device the resolver cannot pin to one partition (AMD's AutoPartition devices of a GPU in CPX)
     still names its GPU by PCI address: that GPU is published."""
     held = {(p.driver, p.gpu) for p in published}
-    held |= {(d.driver, normalize_pci_bus_id(pci)) for d in slices.values() if isinstance(pci := d.attr(PCI_BUS_ID_ATTR), str) and pci}
+    held |= {(d.driver, normalize_pci_bus_id(pci))
+             for d in slices.values() if isinstance(pci := d.attr(PCI_BUS_ID_ATTR), str) and pci}
     seen: dict[tuple[str, str], bool] = {}
     for i in identities:
         if (drv := _VENDOR_DRIVERS.get(i.vendor)) is not None:
@@ -257,7 +267,8 @@ def _plugin_gpu_resources(rows: Iterable[AllocationView]) -> set[str]:
 
 
 def _unresolved_counts(
-    slices: Mapping[DeviceKey, SliceDevice], unresolved: Mapping[str, set[str]], gpu_drivers: set[str], plugin_resources: set[str]
+    slices: Mapping[DeviceKey, SliceDevice], unresolved: Mapping[str, set[str]], gpu_drivers: set[str],
+    plugin_resources: set[str]
 ) -> dict[str, int]:
     """Unresolved GPUs per driver (device-plugin resources are GPU resources by construction),
     with 0 for every GPU driver this node's slices publish: alerts and dashboards can then tell
@@ -320,7 +331,11 @@ def _figures(uuids: tuple[str, ...], by_uuid: Mapping[str, DeviceView]) -> Figur
         if r.memory_total_bytes is not None:
             mem_total[pool] = max(r.memory_total_bytes, mem_total.get(pool, 0))
     # Power is a property of the physical GPU: MIG instances have none of their own.
-    power = [v.reading.power_watts for v in views if v.up and v.reading is not None and v.reading.power_watts is not None and not v.identity.is_partition]
+    power = [
+        v.reading.power_watts
+        for v in views
+        if v.up and v.reading is not None and v.reading.power_watts is not None and not v.identity.is_partition
+    ]
     return (
         (sum(utils) / len(utils)) if utils else None,
         sum(mem_used.values()) if mem_used else None,

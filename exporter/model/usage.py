@@ -293,7 +293,8 @@ def _by_capacity(uuid: str, units: Mapping[tuple[str, str, str], set[str]],
     )
 
 
-def _per_process(uuid: str, units: Mapping[tuple[str, str, str], set[str]], memory: ProcessMemory) -> tuple[Part, ...] | None:
+def _per_process(uuid: str, units: Mapping[tuple[str, str, str], set[str]],
+                 memory: ProcessMemory) -> tuple[Part, ...] | None:
     """By the memory each holder pod's processes use on the device; None when none uses any."""
     pod_units: dict[PodKey, list[tuple[str, str, str]]] = {}
     for unit, pods in units.items():
@@ -349,7 +350,8 @@ class _Plan:
 
     __slots__ = ("base_joules", "base_seconds", "coef", "extra", "keys", "src", "time")
 
-    def __init__(self, keys: tuple[tuple[str, str], ...], joules: Mapping[tuple[str, str], float], seconds: Mapping[tuple[str, str], float],
+    def __init__(self, keys: tuple[tuple[str, str], ...], joules: Mapping[tuple[str, str], float],
+                 seconds: Mapping[tuple[str, str], float],
                  time: Column, gpus: Iterable[Column], zero_slot: int) -> None:
         self.keys = keys
         get_j, get_s = joules.__getitem__, seconds.__getitem__
@@ -762,7 +764,8 @@ class UsageAccountant:
                 self._kept -= 1
         return changed
 
-    def _splits(self, snap: Snapshot, process_memory: ProcessMemory | None, prev: float | None, now: float) -> tuple[tuple[DeviceSplit, ...], bool]:
+    def _splits(self, snap: Snapshot, process_memory: ProcessMemory | None, prev: float | None,
+                now: float) -> tuple[tuple[DeviceSplit, ...], bool]:
         """This cycle's splits, remade only when the holders, the devices or the process memory
         moved (only the per-process usage splits when only the memory did); and whether they were."""
         idents = [d.identity for d in snap.devices]
@@ -775,7 +778,8 @@ class UsageAccountant:
         else:
             holders = _holders(snap)
         splits = _split(holders, process_memory)
-        self._memo = (snap.allocations, idents, None if process_memory is None else dict(process_memory), splits, holders)
+        self._memo = (snap.allocations, idents, None if process_memory is None else dict(process_memory), splits,
+                      holders)
         by_gpu: dict[str, list[DeviceSplit]] = {}
         for s in splits:
             by_gpu.setdefault(s.gpu, []).append(s)

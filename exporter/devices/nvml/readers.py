@@ -324,7 +324,8 @@ def _gpm_cycle(calls: Calls, dev: NvmlDevice, r: DeviceReading, use_mig_sample: 
     cur = 0 if dev.gpm_prev != 0 else 1
     sample = dev.gpm_samples[cur]
     if use_mig_sample:
-        got = calls.call(dev, "gpm", pynvml.nvmlGpmMigSampleGet, dev.parent_handle, dev.identity.gpu_instance_id, sample)
+        got = calls.call(dev, "gpm", pynvml.nvmlGpmMigSampleGet, dev.parent_handle, dev.identity.gpu_instance_id,
+                         sample)
     else:
         got = calls.call(dev, "gpm", pynvml.nvmlGpmSampleGet, dev.handle, sample)
     if got is None:
