@@ -14,8 +14,8 @@ as if scraped), then CPU at the agent's own 1 s interval with a Prometheus-like 
 agent's threads: device lanes, watchers, HTTP server), then CPU at a 1 s cadence, and with
 ``--cpu-seconds-5s W`` at the default 5 s interval too (a window of W seconds).
 
-The agent renders a cycle's metrics only when something asks for them (exporter/metrics/
-ondemand.py), so CPU at a cadence means nothing without scrapes. Each cadence window runs with
+The agent renders a cycle's metrics only when something asks for them (``Expositions`` in
+exporter/metrics/server.py), so CPU at a cadence means nothing without scrapes. Each cadence window runs with
 a scraper in a process of its own (bench/scraper.py: Prometheus's headers, gzip OpenMetrics,
 through the agent's real HTTP server): one scrape every ``--scrape-every`` seconds (15, a usual
 Prometheus interval), and the worst case, one scrape per cycle (half-way between two cycles).
@@ -53,7 +53,32 @@ def pct(xs: list[float], p: float) -> float:
 def rendered(agent):
     """The exposition of the agent's newest cycle, rendered now if it is not yet: what a scrape
     makes the agent do."""
-    return agent.expositions.current()
+    return agent.expositions.exposition()
+
+
+def published(agent) -> list:
+    """The states the agent publishes from now on, newest last (what a scrape would render)."""
+    states: list = []
+    publish = agent.expositions.publish
+
+    def keep(state) -> None:
+        states[:] = [state]
+        publish(state)
+
+    agent.expositions.publish = keep
+    return states
+
+
+def serve_static(server, body: bytes) -> None:
+    """Serve ``body`` at /static on the agent's own server (behind the same auth, headers and
+    connection handling as /metrics): the baseline a scrape's latency is compared with."""
+    from exporter.metrics.server import CONTENT_TYPE
+    from exporter.metrics.web import Response
+
+    async def static(req):
+        return Response(200, body, [("Content-Type", CONTENT_TYPE)])
+
+    server.routes["/static"] = static
 
 
 def measure_cycles(agent, cycles: int, cpu_seconds: float, cpu_seconds_5s: float = 0.0, scrape_every: float = 15.0) -> dict:
@@ -63,10 +88,7 @@ def measure_cycles(agent, cycles: int, cpu_seconds: float, cpu_seconds_5s: float
     for _ in range(10):  # warm: caches, connections, the renderer's series
         agent.run_cycle()
         rendered(agent)
-    # Each cycle is asked for here, so the sampler would render it eagerly inside run_cycle:
-    # held on demand, the render is counted apart (on the render thread: process CPU counts it).
-    ondemand = agent.expositions
-    ondemand.EAGER_AFTER = 10**9
+    # Each cycle is asked for here, its render counted apart from the cycle.
     cpu, wall, render = [], [], []
     for _ in range(cycles):
         c0, w0 = time.process_time(), time.perf_counter()
@@ -87,7 +109,6 @@ def measure_cycles(agent, cycles: int, cpu_seconds: float, cpu_seconds_5s: float
         gzip.compress(body, compresslevel=1, mtime=0)
         gz.append(time.process_time() - c0)
     body = rendered(agent).body
-    del ondemand.EAGER_AFTER  # back to the class's: the cadence windows run as the agent does
     out = {
         "cycles": cycles,
         "cycle_cpu_p50_ms": pct(cpu, 50) * 1e3,  # the cycle and its render
@@ -117,15 +138,13 @@ def cadence(agent, url: str, seconds: float, interval: float, scrape_every: floa
     scrapes ``url`` every ``scrape_every`` s; per thread CPU; the scrapes' latencies."""
     import subprocess
 
-    # One cycle first, outside the window: whether the last state was asked for (by what ran
-    # before) decides whether this one is rendered eagerly; the window starts from this one.
-    agent.run_cycle()
+    agent.run_cycle()  # one cycle first, outside the window
     start = time.time() + 1.0  # the scraper's interpreter starts meanwhile
     scraper = subprocess.Popen([sys.executable, str(ROOT / "bench" / "scraper.py"), url, "--every", str(scrape_every), "--start-at", str(start),
                                 "--until", str(start + seconds)], stdout=subprocess.PIPE, text=True)
     time.sleep(max(0.0, start - time.time()))
     ondemand = agent.expositions
-    renders0, eager0 = ondemand.renders, ondemand.eager_renders
+    renders0 = ondemand.renders
     threads0 = _thread_cpu()
     c0, w0 = time.process_time(), time.perf_counter()
     at_cadence(agent, seconds, interval)
@@ -143,7 +162,6 @@ def cadence(agent, url: str, seconds: float, interval: float, scrape_every: floa
         f"scrape_{key}_p50_ms": pct(lat, 50) * 1e3 if lat else None,
         f"scrape_{key}_max_ms": max(lat) * 1e3 if lat else None,
         f"renders_{key}": ondemand.renders - renders0,
-        f"eager_renders_{key}": ondemand.eager_renders - eager0,  # of them, on the sampler
         f"cadence_{key}_threads_cpu_s": by_thread,
     }
 

@@ -36,6 +36,7 @@ import pynvml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from exporter.devices.nvml import FIELD_REQUESTS, GPM_METRICS, NvmlBackend
+from exporter.devices.nvml.abi import THROTTLE_FIELDS
 
 FORMAT = "dra-gpu-exporter/nvml-fixture/v1"
 _VALUE_MEMBER = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
@@ -127,6 +128,9 @@ def gpu_cycle_calls(h: Any) -> dict[str, tuple[Callable[..., Any], tuple, dict, 
             calls[f"nvmlDeviceGetTotalEccErrors:{etype}:{counter}"] = (pynvml.nvmlDeviceGetTotalEccErrors, (h, etype, counter), {}, int)
     for cause in (0, 1):
         calls[f"nvmlDeviceGetRetiredPages_v2:{cause}"] = (pynvml.nvmlDeviceGetRetiredPages_v2, (h, cause), {}, len)
+    for _fid, policy, _reason in THROTTLE_FIELDS:
+        violation = (pynvml.nvmlDeviceGetViolationStatus, (h, policy), {}, lambda v: int(v.violationTime))
+        calls[f"nvmlDeviceGetViolationStatus:{policy}"] = violation
     return calls
 
 

@@ -11,7 +11,8 @@ two cycles as at that interval: more at 5 s than at 1 s). After each cycle the s
 back to back in this process, CPU time (time.process_time) of each:
 
 * hand: exporter.metrics.render.Renderer, one instance kept across cycles as the agent keeps
-  it (formats a series once, re-formats moved values, reuses unchanged families);
+  it (a family's header and a series' ``name{labels} `` prefix formatted once, each value per
+  render);
 * library: prometheus_client's public ``openmetrics.exposition.generate_latest`` over the same
   families, including the ``add_metric`` calls that build its samples (what a collector made of
   plain prometheus_client families pays), since the renderer's row families defer exactly those.
@@ -38,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
+from agent_process import published  # noqa: E402
 from run import Node, big_scenario, eight_gpus, pct  # noqa: E402
 
 from exporter.logs import configure  # noqa: E402
@@ -61,11 +63,12 @@ def measure(cycles: int, interval: float, scenario: dict) -> dict:
     node.clock.pause()
     try:
         hand_renderer = Renderer()
+        states = published(node.agent)
         hand, lib = [], []
         for i in range(cycles + 5):
             node.clock.advance_to(node.clock.now() + interval)
             node.agent.run_cycle()
-            state = node.agent.expositions.state  # the cycle's, published (rendered only on demand)
+            state = states[-1]  # the cycle's, published (rendered only on demand)
             hand_renderer.collector.state = state
             fams = list(hand_renderer.collector.collect())
             c0 = time.process_time()

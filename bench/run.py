@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from agent_process import rendered  # noqa: E402
+from agent_process import published, rendered, serve_static  # noqa: E402
 from scrape_attack import LOAD_START_METHOD  # noqa: E402
 
 from drasim.backend import SimClock  # noqa: E402
@@ -142,17 +142,11 @@ def bench_scrape(requests: int = 2000, first_rounds: int = 50) -> None:
     node.start()
     try:
         body = rendered(node.agent).body
-        node.agent.server.serve_static(body)
+        serve_static(node.agent.server, body)
         base = node.agent.server.url
         rows = []
-        ondemand = getattr(node.agent, "expositions", None)
-        # 10 scrapers keep up with the 1 s cycle, so the sampler renders each cycle before
-        # publishing it (exporter/metrics/ondemand.py); the last row turns that off: every
-        # cycle is rendered by the first scrape that wants it.
-        loads = [(1, False), (10, False)] + ([(10, True)] if ondemand is not None else [])
-        for conc, lazy_only in loads:
-            if lazy_only:
-                ondemand.EAGER_AFTER = 10**9
+        # Each cycle is rendered by the first scrape that wants it (exporter/metrics/server.py).
+        for conc in (1, 10):
             per = max(50, requests // conc)
             _load(base + "/metrics", conc, 20)  # warm up
             _load(base + "/static", conc, 20)
@@ -167,7 +161,6 @@ def bench_scrape(requests: int = 2000, first_rounds: int = 50) -> None:
             rows.append(
                 {
                     "concurrency": conc,
-                    "on_demand_only": lazy_only,
                     "requests": len(m),
                     "metrics_p50_ms": pct(m, 50) * 1e3,
                     "metrics_p99_ms": pct(m, 99) * 1e3,
@@ -181,12 +174,11 @@ def bench_scrape(requests: int = 2000, first_rounds: int = 50) -> None:
         print("| scrapers | requests | /metrics p50 | /metrics p99 | static p50 | static p99 | p99 ratio |")
         print("|---|---|---|---|---|---|---|")
         for r in rows:
-            what = f"{r['concurrency']}, every cycle rendered by a scrape (eager rendering off)" if r["on_demand_only"] else str(r["concurrency"])
-            print(f"| {what} | {r['requests']} | {r['metrics_p50_ms']:.2f} ms | {r['metrics_p99_ms']:.2f} ms | {r['static_p50_ms']:.2f} ms | {r['static_p99_ms']:.2f} ms | {r['ratio_p99']:.2f} |")
+            print(f"| {r['concurrency']} | {r['requests']} | {r['metrics_p50_ms']:.2f} ms | {r['metrics_p99_ms']:.2f} ms "
+                  f"| {r['static_p50_ms']:.2f} ms | {r['static_p99_ms']:.2f} ms | {r['ratio_p99']:.2f} |")
     finally:
         node.stop()
-    if getattr(node.agent, "expositions", None) is not None:
-        bench_first_scrape(first_rounds)
+    bench_first_scrape(first_rounds)
 
 
 def bench_first_scrape(rounds: int = 50) -> None:
@@ -201,10 +193,7 @@ def bench_first_scrape(rounds: int = 50) -> None:
         import http.client
 
         srv = node.agent.server
-        srv.serve_static(rendered(node.agent).openmetrics_gzipped)
-        # Every cycle here is scraped, which would have the sampler render it eagerly: what is
-        # measured is the on-demand path (a scrape every 15 s of a 1-5 s cycle).
-        node.agent.expositions.EAGER_AFTER = 10**9
+        serve_static(srv, rendered(node.agent).openmetrics_gzipped)
 
         def get(path: str) -> float:
             t0 = time.perf_counter()
@@ -228,7 +217,7 @@ def bench_first_scrape(rounds: int = 50) -> None:
             static.append(get("/static"))
             node.agent.run_cycle()  # the render alone, for scale: a fresh cycle rendered on the render thread
             c0 = time.process_time()
-            node.agent.expositions.current()
+            node.agent.expositions.exposition()
             render.append(time.process_time() - c0)
         row = {"rounds": rounds, "first_p50_ms": pct(first, 50) * 1e3, "first_p99_ms": pct(first, 99) * 1e3, "second_p50_ms": pct(second, 50) * 1e3,
                "second_p99_ms": pct(second, 99) * 1e3, "static_p50_ms": pct(static, 50) * 1e3, "static_p99_ms": pct(static, 99) * 1e3, "render_cpu_p50_ms": pct(render, 50) * 1e3}
@@ -498,11 +487,11 @@ def bench_series() -> None:
     node = Node(big_scenario(), interval=3600)
     node.start(serve=False)
     try:
+        states = published(node.agent)
         for _ in range(2):  # the billing counters appear with the second reading of the GPUs' energy
             node.clock.advance_to(node.clock.now() + 5.0)
             node.agent.run_cycle()
-        published = node.agent.expositions.state  # the whole state a scrape renders (billing, self-metrics)
-        assert published is not None
+        last = states[-1]  # the whole state a scrape renders (billing, self-metrics)
         out = {}
         lean = parse_exclude_metrics(LEAN_EXCLUDE)
         for label, compat, allow, excluded in (
@@ -512,7 +501,7 @@ def bench_series() -> None:
             ("lean (--exclude-metrics)", False, (), lean),
             ("lean, no per-pod billing", False, (), parse_exclude_metrics(LEAN_EXCLUDE + ",dra_pod_*")),
         ):
-            state = dataclasses.replace(published, pod_label_allowlist=allow, dcgm_compat=compat, excluded=excluded)
+            state = dataclasses.replace(last, pod_label_allowlist=allow, dcgm_compat=compat, excluded=excluded)
             body = Renderer().render(state).body.decode()
             n = sum(1 for line in body.splitlines() if line and not line.startswith("#"))
             out[label] = n
@@ -525,9 +514,95 @@ def bench_series() -> None:
         node.stop()
 
 
+# --------------------------------------------------------------------------- churn
+
+
+def bench_churn(steps: int = 400, rate: float = 80.0, hold: float = 2.0, interval: float = 0.5, scrape_every: float = 2.0) -> None:
+    """A batch node that churns (issue 33): 8 GPUs, ``rate`` new jobs a second (a pod and a DRA
+    claim with new names each, drasim.churn), each holding a GPU for ``hold`` seconds, a cycle
+    every ``interval`` of simulated time driven by hand, a scrape every ``scrape_every``.
+    In one process with the kubelet and API emulations (their threads' CPU counts too): process
+    CPU per cycle (the cycle and its share of the scrapes) before and after the series cap
+    binds, series, RSS, cycles that took less than the interval, requests per new claim, and
+    the jobs that held a GPU for two intervals but were never billed."""
+    import re
+    import urllib.request
+
+    from drasim.churn import Churn
+    from drasim.node import SimulatedNode
+
+    sc = parse_scenario(eight_gpus())
+    clock = SimClock(1.0)
+    node = SimulatedNode(sc, clock, request_log_size=10_000_000, kubelet_qps=None)
+    node.start()
+    clock.pause()
+    agent = node.start_agent(interval=3600.0, taint_mode=TaintMode.OFF)
+    seconds = re.compile(r'^dra_claim_device_seconds_total\{claim="([^"]+)",namespace="batch"[^}]*\} ([0-9.e+-]+)$', re.M)
+    try:
+        deadline = time.monotonic() + 60
+        while not agent.src.get("slices").watcher.synced and time.monotonic() < deadline:
+            time.sleep(0.05)
+        acc = agent.out.usage
+        churn = Churn(node, per_step=max(1, round(rate * interval)), hold_steps=max(2, round(hold / interval)))
+        node.api.clear_requests()
+        rows, billed, rss0 = [], set(), _rss_mb()
+        every = max(1, round(scrape_every / interval))
+        for step in range(steps):
+            churn.step()
+            clock.advance_to(clock.now() + interval)
+            c0, w0 = time.process_time(), time.perf_counter()
+            agent.run_cycle()
+            wall = time.perf_counter() - w0
+            series = None
+            if step % every == every - 1:
+                with urllib.request.urlopen(agent.server.url + "/metrics", timeout=30) as resp:
+                    text = resp.read().decode()
+                series = sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+                billed.update(m.group(1) for m in seconds.finditer(text) if float(m.group(2)) > 0)
+            rows.append((time.process_time() - c0, wall, series, acc.retained_series))
+        bound = next((i for i, r in enumerate(rows) if r[3] >= acc.max_series * 0.98), None)
+        settle = max(1, steps // 10)
+        before = [r[0] for r in rows[settle:bound or steps // 2]]
+        after = [r[0] for r in rows[(bound or steps // 2) + settle:]]
+        reqs = [r for r in node.api.requests if not r.watch]
+        claims_n = len(churn.jobs)
+        held = [j for j in churn.jobs if j.left is not None and j.left - j.started >= 2]
+        lost = [j.claim for j in held if j.claim not in billed]
+        out = {
+            "steps": steps, "interval_s": interval, "claims_per_s": rate, "hold_s": hold, "new_claims": claims_n,
+            "cap_series": acc.max_series, "cap_bound_at_step": bound,
+            "cpu_per_cycle_before_ms": 1e3 * sum(before) / max(1, len(before)),
+            "cpu_per_cycle_after_ms": 1e3 * sum(after) / max(1, len(after)),
+            "series_max": max((r[2] for r in rows if r[2] is not None), default=0),
+            "retained_series_max": max(r[3] for r in rows),
+            "rss_start_mb": rss0, "rss_end_mb": _rss_mb(), "rss_peak_mb": _rss_mb("VmHWM"),
+            "cycles_on_time": sum(1 for r in rows if r[1] < interval) / len(rows),
+            "requests_per_new_claim": len(reqs) / max(1, claims_n),
+            "claim_requests_per_new_claim": sum(1 for r in reqs if "/resourceclaims" in r.path) / max(1, claims_n),
+            "jobs_held_two_intervals": len(held), "jobs_never_billed": len(lost),
+        }
+    finally:
+        node.stop()
+    RESULTS["churn"] = out
+    ratio = out["cpu_per_cycle_after_ms"] / max(1e-9, out["cpu_per_cycle_before_ms"])
+    print(f"\nchurn, in-process (8 GPUs, {rate:g} claims/s held {hold:g} s, cycle every {interval:g} s, scrape every {scrape_every:g} s, {steps} cycles):")
+    print(f"  CPU per cycle {out['cpu_per_cycle_before_ms']:.1f} ms before the cap binds (step {bound}), {out['cpu_per_cycle_after_ms']:.1f} ms after "
+          f"({ratio:.2f}x); series max {out['series_max']} (retained {out['retained_series_max']}, cap {out['cap_series']}); "
+          f"RSS {out['rss_start_mb']:.1f} -> {out['rss_end_mb']:.1f} MB (peak {out['rss_peak_mb']:.1f}); cycles shorter than the interval "
+          f"{100 * out['cycles_on_time']:.0f} %; API requests per new claim {out['requests_per_new_claim']:.2f} "
+          f"(claims {out['claim_requests_per_new_claim']:.2f}); jobs never billed {out['jobs_never_billed']} of {out['jobs_held_two_intervals']}")
+
+
+def _rss_mb(field: str = "VmRSS") -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="Benchmarks for docs/performance.md.")
-    ap.add_argument("which", nargs="*", metavar="BENCH", help="scrape, scrape-attack, cycle, gzip, nvml, xid, soak, series (default: all but scrape-attack)")
+    ap.add_argument("which", nargs="*", metavar="BENCH", help="scrape, scrape-attack, cycle, gzip, nvml, xid, soak, series, churn (default: all but scrape-attack)")
     ap.add_argument("--cycles", type=int, default=10000, help="soak: cycles between the two RSS readings")
     ap.add_argument("--requests", type=int, default=2000, help="scrape: requests per concurrency level")
     ap.add_argument("--cpu-seconds", type=float, default=30.0, help="soak: window for the CPU reading")
@@ -547,6 +622,7 @@ def main() -> None:
         "xid": lambda: bench_xid(4 if a.quick else 200),
         "soak": lambda: bench_soak(a.cycles, a.cpu_seconds, dense=not a.quick),
         "series": bench_series,
+        "churn": lambda: bench_churn(*((12, 10.0) if a.quick else ())),
     }
     unknown = [w for w in a.which if w not in fns]
     if unknown:

@@ -24,6 +24,13 @@ from collections.abc import Callable
 LOAD_START_METHOD = "forkserver"
 
 
+def _go_on(stop: mp.Event) -> bool:
+    """A load process's loop condition: not told to stop, and the process that started it still
+    alive (a benchmark killed by a test's timeout sends no stop: its load must not outlive it)."""
+    parent = mp.parent_process()
+    return not stop.is_set() and (parent is None or parent.is_alive())
+
+
 def _scraper(host: str, port: int, path: str, n: int, q: mp.Queue) -> None:
     lat, errors = [], 0
     conn = http.client.HTTPConnection(host, port, timeout=10)
@@ -93,7 +100,7 @@ def _attacker(host: str, port: int, idle: int, slow: int, bombs: int, stop: mp.E
     last_dribble = 0.0
     to_reopen: list[str] = []
     tokens, last = 0.0, time.monotonic()
-    while not stop.is_set():
+    while _go_on(stop):
         for key, _ in sel.select(timeout=0.2):
             s = key.fileobj
             try:
@@ -129,10 +136,10 @@ def _attacker(host: str, port: int, idle: int, slow: int, bombs: int, stop: mp.E
 
 def _flooder(host: str, port: int, threads: int, stop: mp.Event) -> None:
     def hammer() -> None:
-        while not stop.is_set():
+        while _go_on(stop):
             c = http.client.HTTPConnection(host, port, timeout=10)
             try:
-                while not stop.is_set():
+                while _go_on(stop):
                     c.request("GET", "/metrics")
                     c.getresponse().read()
             except (OSError, http.client.HTTPException):
@@ -176,7 +183,7 @@ def requesters(host: str, port: int, clients: int, path: str, stop: mp.Event, ou
 
     for _ in range(clients):
         open_one()
-    while not stop.is_set():
+    while _go_on(stop):
         for key, events in sel.select(timeout=0.2):
             s = key.fileobj
             assert isinstance(s, socket.socket)
@@ -223,14 +230,14 @@ def requesters(host: str, port: int, clients: int, path: str, stop: mp.Event, ou
 
 
 def bench(node_factory: Callable, scenario: dict, pct: Callable, results: dict, requests: int = 2000, idle: int = 3000, slow: int = 300, bombs: int = 20, flood_threads: int = 16) -> None:
-    from agent_process import rendered  # (bench/ is on the path: run by bench/run.py)
+    from agent_process import rendered, serve_static  # (bench/ is on the path: run by bench/run.py)
 
     node = node_factory(scenario)
     node.start()
     ctx = mp.get_context(LOAD_START_METHOD)
     try:
         server = node.agent.server
-        server.serve_static(rendered(node.agent).gzipped)
+        serve_static(server, rendered(node.agent).gzipped)
         host, port = "127.0.0.1", server.port
         conc, per = 10, max(20, requests // 10)
         rows = []

@@ -48,7 +48,8 @@ def _request_from_v1beta1(req: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _map_list(obj: dict[str, Any], path: tuple[str, ...], fn: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+def _map_list(obj: dict[str, Any], path: tuple[str, ...],
+              fn: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
     """Apply fn to each dict of the list at path (a copy of obj is returned)."""
     out = copy.deepcopy(obj)
     cur: Any = out

@@ -133,7 +133,8 @@ class FaultInjector:
 
     def log(self) -> list[RequestRecord]:
         with self._lock:
-            return [RequestRecord(r.method, r.path, dict(r.query), r.body, r.watch, r.status, r.user) for r in self._log]
+            return [RequestRecord(r.method, r.path, dict(r.query), r.body, r.watch, r.status,
+                                  r.user) for r in self._log]
 
     def clear_log(self) -> None:
         with self._lock:

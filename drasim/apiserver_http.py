@@ -318,7 +318,8 @@ def _serve_watch(state: ServerState, h: ApiRequestHandler, t: Target, selector: 
     initial: list[dict[str, Any]] = []
     cursor = 0
     try:
-        initial, cursor = state.registry.watch_start(t, selector, None if send_initial else query.get("resourceVersion"))
+        initial, cursor = state.registry.watch_start(t, selector,
+                                                     None if send_initial else query.get("resourceVersion"))
     except ApiError as err:
         if err.code != 410:
             raise

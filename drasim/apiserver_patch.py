@@ -130,7 +130,8 @@ def json_patch(target: Any, ops: Any) -> Any:
             doc = _remove(doc, path)
         elif kind == "replace":
             _get(doc, path)  # must exist
-            doc = _add(_remove(doc, path), path, copy.deepcopy(op["value"])) if _pointer(path) else copy.deepcopy(op["value"])
+            doc = _add(_remove(doc, path), path,
+                       copy.deepcopy(op["value"])) if _pointer(path) else copy.deepcopy(op["value"])
         elif kind in ("move", "copy"):
             if "from" not in op:
                 raise PatchError(400, f"JSON patch operation {kind!r} needs 'from'")

@@ -202,7 +202,8 @@ class Registry:
             if not new["metadata"].get("resourceVersion") and not strategy.allows_unconditional_update(t.rt, t.version):
                 # genericregistry.Store.Update: the strategy wants optimistic concurrency, and
                 # the error names the resource where it names a kind (a known quirk upstream).
-                raise ApiError(422, f'{t.rt.qualified} "{t.name}" is invalid: metadata.resourceVersion: Invalid value: 0x0: '
+                raise ApiError(422, f'{t.rt.qualified} "{t.name}" is invalid: metadata.resourceVersion: Invalid value: '
+                                    '0x0: '
                                     "must be specified for an update", reason="Invalid",
                                details={"name": t.name or "", "group": t.rt.group, "kind": t.rt.resource,
                                         "causes": [{"reason": "FieldValueInvalid", "field": "metadata.resourceVersion",
@@ -305,7 +306,8 @@ class Registry:
             if pre.get("resourceVersion") and pre["resourceVersion"] != meta.get("resourceVersion"):
                 raise ApiError.conflict(t.rt, t.name or "", "Precondition failed: ResourceVersion in "
                                                             f"precondition: {pre['resourceVersion']}, "
-                                                            f"ResourceVersion in object meta: {meta.get('resourceVersion')}")
+                                                            "ResourceVersion in object meta: "
+                                                            f"{meta.get('resourceVersion')}")
             if dry_run:
                 return self.to_wire(t, cur)
             if meta.get("finalizers"):
@@ -376,7 +378,9 @@ class Registry:
 
     # ------------------------------------------------------------ watch
 
-    def watch_start(self, t: Target, selector: Selector, rv_param: str | None) -> tuple[builtins.list[dict[str, Any]], int]:
+    def watch_start(
+        self, t: Target, selector: Selector, rv_param: str | None
+    ) -> tuple[builtins.list[dict[str, Any]], int]:
         """Initial events and the cursor to follow from. Raises ApiError 410 on a compacted rv."""
         with self.store.lock:
             if rv_param in (None, "", "0"):

@@ -17,7 +17,15 @@ from dataclasses import dataclass
 import structlog
 
 from exporter.devices.base import DeviceBackend, EventSink, EventThread
-from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction, Vendor
+from exporter.devices.model import (
+    DeviceEvent,
+    DeviceIdentity,
+    DeviceReading,
+    EventKind,
+    ReadError,
+    RecoveryAction,
+    Vendor,
+)
 
 from .scenario import Fault, GpuSpec, MigSpec, Scenario
 
@@ -238,6 +246,12 @@ class SimBackend(DeviceBackend):
         r.sm_clock_hertz = (1155 + 825 * util) * 1e6
         r.memory_clock_hertz = 2619e6
         r.clock_event_reasons = 0x1 if util < 0.05 else 0x0
+        # NVML's throttle-time counters: held below target 2 % of the time by power, 10 % by
+        # low utilization (stateless, so monotonic in simulated time)
+        power_s, idle_s = round(t * 0.02, 3), round(t * 0.1, 3)
+        quiet = ("thermal", "sync_boost", "board_limit", "reliability", "total_base_clocks")
+        r.throttle_seconds = dict.fromkeys(quiet, 0.0)
+        r.throttle_seconds.update(power=power_s, low_utilization=idle_s, total_app_clocks=power_s + idle_s)
         r.pcie_replay_total = 0
         r.retired_pages_total = 0
         r.retired_pages_pending = False
@@ -329,14 +343,16 @@ class SimBackend(DeviceBackend):
                 # Until the next scripted fault is due (or forever), or until inject() or
                 # close() wakes us. Capped: a clock that barely moves would ask for a wait
                 # longer than a lock accepts.
-                self._wake.wait(min(3600.0, self.clock.real_seconds(pending[0].at - self.clock.now())) if pending else None)
+                self._wake.wait(min(3600.0,
+                                    self.clock.real_seconds(pending[0].at - self.clock.now())) if pending else None)
             batch, self._injected = self._injected, deque()
         while batch and not stopping():
             self._deliver(sink, batch.popleft())  # popped: a delivered event is not kept
         while pending and pending[0].at <= self.clock.now() and not stopping():
             f = pending.popleft()
             uuid = self.scenario.gpu(f.gpu).uuid
-            ev = DeviceEvent(uuid=uuid, kind=_EVENT_KINDS[f.kind], code=f.code, timestamp=self.clock.epoch(f.at), detail=f"scripted {f.kind}")
+            ev = DeviceEvent(uuid=uuid, kind=_EVENT_KINDS[f.kind], code=f.code, timestamp=self.clock.epoch(f.at),
+                             detail=f"scripted {f.kind}")
             log.info("sim_event", uuid=uuid, kind=ev.kind.value, code=f.code, sim_t=round(f.at, 1))
             self._deliver(sink, ev)
 

@@ -107,14 +107,16 @@ class DemoCluster(SimulatedNode):
             kept = {objects.device_name(self.sc, ref) for ct in p.containers for _res, ref in ct.extended} & tainted
             if kept and key not in self.stayed and not devices & tainted:
                 self.stayed.add(key)
-                print(f"[sim {_mmss(t)}] pod {p.namespace}/{p.name} stays on {', '.join(sorted(kept))}, tainted NoExecute: "
+                print(f"[sim {_mmss(t)}] pod {p.namespace}/{p.name} stays on {', '.join(sorted(kept))}, tainted "
+                      "NoExecute: "
                       "its device came through an extended-resource claim, which NoExecute does not evict", flush=True)
             elif not kept:
                 self.stayed.discard(key)
             if devices & tainted:
                 if key not in self.evicted:
                     self.evicted[key] = t
-                    print(f"[sim {_mmss(t)}] evicted pod {p.namespace}/{p.name}: its claim's device {', '.join(sorted(devices & tainted))} is tainted NoExecute", flush=True)
+                    print(f"[sim {_mmss(t)}] evicted pod {p.namespace}/{p.name}: its claim's device "
+                          f"{', '.join(sorted(devices & tainted))} is tainted NoExecute", flush=True)
                 continue
             if key in self.evicted:
                 del self.evicted[key]
@@ -179,8 +181,10 @@ def summary_line(agent: Agent, cluster: DemoCluster, hold: float = DEMO_HOLD) ->
     taints = ", ".join(f"{r.device}={r.effect}" for r in rules) if rem else "off"
     bad_claims = sum(1 for c in snap.claims if not c.healthy)
     return (
-        f"[sim {_mmss(t)}] devices {len(snap.devices)} ({down} down) | pods {len({(a.namespace, a.pod) for a in snap.allocations})} | "
-        f"claims {len(snap.claims)} ({bad_claims} unhealthy) | conditions: {'; '.join(conds) or 'none'} | taints: {taints or 'none'}"
+        f"[sim {_mmss(t)}] devices {len(snap.devices)} ({down} down) | pods "
+        f"{len({(a.namespace, a.pod) for a in snap.allocations})} | "
+        f"claims {len(snap.claims)} ({bad_claims} unhealthy) | conditions: {'; '.join(conds) or 'none'} | taints: "
+        f"{taints or 'none'}"
     )
 
 
@@ -189,6 +193,12 @@ def list_scenarios() -> int:
     for name, path in bundled_scenarios().items():
         print(f"{name}\t{path}")
     return 0
+
+
+def _driver_taints(sc: Scenario) -> str:
+    """The banner's line for the taints the simulated driver put in its slice (dra_device_taint_info)."""
+    taints = [f"{g.device_name} {k}={v}:{e}" for g in sc.gpus for k, v, e in g.taints]
+    return f"  driver taints:  {', '.join(taints)} (in its ResourceSlice: dra_device_taint_info)\n" if taints else ""
 
 
 def _device_uuids(sc: Scenario) -> dict[str, str]:
@@ -224,13 +234,16 @@ def run_demo(cfg: Config, stop: threading.Event | None = None) -> int:
         gpus = len(scenario.gpus)
         migs = sum(len(g.mig) for g in scenario.gpus)
         print(
-            f"dra-gpu-exporter demo: scenario {scenario.name!r} on node {scenario.node}: {gpus} GPUs, {migs} MIG instances, "
-            f"{len(scenario.pods)} pods, {len(scenario.claims)} claims, {len(scenario.faults)} scripted faults; time x{cfg.time_scale:g}\n"
+            f"dra-gpu-exporter demo: scenario {scenario.name!r} on node {scenario.node}: {gpus} GPUs, {migs} MIG "
+            "instances, "
+            f"{len(scenario.pods)} pods, {len(scenario.claims)} claims, {len(scenario.faults)} scripted faults; time "
+            f"x{cfg.time_scale:g}\n"
             f"  metrics:        {agent.server.url}/metrics\n"
             f"  readiness:      {agent.server.url}/readyz\n"
             f"  kubelet socket: {cluster.socket}\n"
             f"  Kubernetes API: {cluster.api.url} (kubeconfig {cluster.kubeconfig})\n"
             f"  taint mode:     {cfg.taint_mode.value}\n"
+            f"{_driver_taints(scenario)}"
             "Press Ctrl-C to stop.",
             flush=True,
         )

@@ -112,7 +112,8 @@ class _Servicer(api_pb2_grpc.PodResourcesListerServicer):
     def __init__(self, owner: FakeKubelet) -> None:
         self._owner = owner
 
-    def List(self, request: api_pb2.ListPodResourcesRequest, context: grpc.ServicerContext) -> api_pb2.ListPodResourcesResponse:
+    def List(self, request: api_pb2.ListPodResourcesRequest,
+             context: grpc.ServicerContext) -> api_pb2.ListPodResourcesResponse:
         self._owner._admit("List", context)
         return api_pb2.ListPodResourcesResponse(pod_resources=self._owner._pods_now())
 
@@ -122,7 +123,8 @@ class _Servicer(api_pb2_grpc.PodResourcesListerServicer):
         self._owner._admit("GetAllocatableResources", context)
         return api_pb2.AllocatableResourcesResponse(devices=self._owner._allocatable_now())
 
-    def Get(self, request: api_pb2.GetPodResourcesRequest, context: grpc.ServicerContext) -> api_pb2.GetPodResourcesResponse:
+    def Get(self, request: api_pb2.GetPodResourcesRequest,
+            context: grpc.ServicerContext) -> api_pb2.GetPodResourcesResponse:
         self._owner._admit("Get", context)
         for p in self._owner._pods_now():
             if p.name == request.pod_name and p.namespace == request.pod_namespace:

@@ -39,7 +39,8 @@ from .kubelet import KUBELET_QPS, FakeKubelet
 from .scenario import PodSpec, Scenario
 
 
-def write_kubeconfig(path: str | Path, url: str, token: str = "test-token", namespace: str = "default", context: str = "sim") -> Path:
+def write_kubeconfig(path: str | Path, url: str, token: str = "test-token", namespace: str = "default",
+                     context: str = "sim") -> Path:
     """A kubeconfig with one cluster/user/context pointing at ``url`` with a bearer token."""
     path = Path(path)
     doc = {
@@ -56,7 +57,8 @@ def write_kubeconfig(path: str | Path, url: str, token: str = "test-token", name
 
 def publish_scenario(api: FakeApiServer, sc: Scenario, pods: Iterable[PodSpec] | None = None) -> None:
     """Store what the cluster holds for a scenario's node: the agent's namespace and budget
-    object (as the Helm chart installs them), the Node, its ResourceSlice, and the claims and Pod objects of ``pods`` (default: every pod, as if all were running)."""
+    object (as the Helm chart installs them), the Node, its ResourceSlice, and the claims and Pod
+    objects of ``pods`` (default: every pod, as if all were running)."""
     live = list(sc.pods if pods is None else pods)
     for obj in objects.agent_namespace_objects():
         api.apply(obj)
@@ -91,7 +93,8 @@ class SimulatedNode:
         self.socket = str(self.workdir / "kubelet.sock")
         self.kubeconfig = self.workdir / "kubeconfig"
         self.kubelet = FakeKubelet(self.socket, qps=kubelet_qps)
-        self.api = FakeApiServer(kubernetes_version, bookmark_interval=bookmark_interval, request_log_size=request_log_size)
+        self.api = FakeApiServer(kubernetes_version, bookmark_interval=bookmark_interval,
+                                 request_log_size=request_log_size)
         self.backend = SimBackend(scenario, self.clock)
         self.agent: Agent | None = None
 

@@ -20,7 +20,7 @@ from typing import Any
 from exporter.kubelet import api_pb2
 
 from . import kubelet as kb
-from .scenario import DRIVER, ContainerSpec, GpuSpec, MigSpec, PodSpec, Scenario
+from .scenario import DRIVER, ClaimSpec, ContainerSpec, GpuSpec, MigSpec, PodSpec, Scenario
 
 _NS = uuidlib.UUID("0e4d7f6a-9a51-4bfa-8d2e-3c5b9e0f1a22")
 
@@ -106,11 +106,46 @@ def _common_attrs(sc: Scenario, g: GpuSpec) -> dict[str, Any]:
 
 
 def _gpu_device(sc: Scenario, g: GpuSpec) -> dict[str, Any]:
-    return {
+    dev: dict[str, Any] = {
         "name": g.device_name,
         "attributes": {"type": {"string": "gpu"}, "uuid": {"string": g.uuid}, **_common_attrs(sc, g)},
         "capacity": {"memory": {"value": str(g.memory_bytes)}},
     }
+    if g.consumable_shares:
+        # NVIDIA's ConsumableShares in memory mode (cmd/gpu-kubelet-plugin/consumable_shares.go):
+        # several allocations, memory consumed in 1 Mi steps, a claim that asks for none takes it all
+        dev["allowMultipleAllocations"] = True
+        whole = _quantity(g.memory_bytes)
+        dev["capacity"]["memory"]["requestPolicy"] = {
+            "default": whole, "validRange": {"min": "1Mi", "max": whole, "step": "1Mi"}}
+    return dev
+
+
+def share_id(sc: Scenario, c: ClaimSpec, ref: str) -> str | None:
+    """The shareID the scheduler gives a claim's allocation of a consumable-shares GPU (a UID;
+    stable here), which the kubelet reports too; None for a device allocated whole."""
+    if ":" in ref or not sc.gpu(ref).consumable_shares:
+        return None
+    return str(uuidlib.uuid5(_NS, f"share/{c.namespace}/{c.name}/{ref}"))
+
+
+def _result(sc: Scenario, c: ClaimSpec, ref: str) -> dict[str, Any]:
+    """One allocation result of a scenario claim; on a consumable-shares GPU with its shareID and
+    the memory it consumed (the claim's, else the request policy's default: the whole GPU)."""
+    out: dict[str, Any] = {"request": "gpu", "driver": DRIVER, "pool": sc.node, "device": device_name(sc, ref)}
+    share = share_id(sc, c, ref)
+    if share is not None:
+        memory = c.memory if c.memory is not None else sc.gpu(ref).memory_bytes
+        out.update(shareID=share, consumedCapacity={"memory": _quantity(memory)})
+    return out
+
+
+def _quantity(size: int) -> str:
+    """Bytes as the API writes a Quantity: 20Gi rather than 21474836480."""
+    for suffix, unit in (("Gi", 2**30), ("Mi", 2**20)):
+        if size and size % unit == 0:
+            return f"{size // unit}{suffix}"
+    return str(size)
 
 
 def _mig_device(sc: Scenario, g: GpuSpec, m: MigSpec) -> dict[str, Any]:
@@ -158,10 +193,13 @@ def node(sc: Scenario) -> dict[str, Any]:
 def resource_slice(sc: Scenario) -> dict[str, Any]:
     devices: list[dict[str, Any]] = []
     for g in sc.gpus:
-        if g.mig:
-            devices.extend(_mig_device(sc, g, m) for m in g.mig)
-        else:
-            devices.append(_gpu_device(sc, g))
+        if not g.published:
+            continue
+        mine = [_mig_device(sc, g, m) for m in g.mig] if g.mig else [_gpu_device(sc, g)]
+        for d in mine:
+            if g.taints:  # NVIDIA's driver leaves timeAdded to the API server
+                d["taints"] = [{"key": k, "value": v, "effect": e} for k, v, e in g.taints]
+        devices.extend(mine)
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceSlice",
@@ -179,20 +217,17 @@ def resource_claims(sc: Scenario, pods: list[PodSpec]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for c in sc.claims:
         holders = [p for p in pods if p.namespace == c.namespace and any(c.name in ct.claims for ct in p.containers)]
+        exactly: dict[str, Any] = {"deviceClassName": DRIVER, "allocationMode": "ExactCount", "count": len(c.devices)}
+        if c.memory is not None:
+            exactly["capacity"] = {"requests": {"memory": _quantity(c.memory)}}
         out.append(
             {
                 "apiVersion": "resource.k8s.io/v1",
                 "kind": "ResourceClaim",
                 "metadata": {"name": c.name, "namespace": c.namespace},
-                "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER, "allocationMode": "ExactCount", "count": len(c.devices)}}]}},
+                "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}},
                 "status": {
-                    "allocation": {
-                        "devices": {
-                            "results": [
-                                {"request": "gpu", "driver": DRIVER, "pool": sc.node, "device": device_name(sc, ref)} for ref in c.devices
-                            ]
-                        }
-                    },
+                    "allocation": {"devices": {"results": [_result(sc, c, ref) for ref in c.devices]}},
                     "reservedFor": [{"resource": "pods", "name": p.name, "uid": pod_uid(p)} for p in holders],
                 },
             }
@@ -209,15 +244,19 @@ def resource_claims(sc: Scenario, pods: list[PodSpec]) -> list[dict[str, Any]]:
                     "name": extended_claim_name(p),
                     "namespace": p.namespace,
                     "annotations": {"resource.kubernetes.io/extended-resource-claim": "true"},
-                    "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": p.name, "uid": pod_uid(p), "controller": True, "blockOwnerDeletion": True}],
+                    "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": p.name, "uid": pod_uid(p),
+                                         "controller": True, "blockOwnerDeletion": True}],
                 },
                 "spec": {"devices": {"requests": [
-                    {"name": req, "exactly": {"deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount", "count": len(refs)}}
+                    {"name": req,
+                     "exactly": {"deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount",
+                                 "count": len(refs)}}
                     for _ct, _res, req, refs in reqs
                 ]}},
                 "status": {
                     "allocation": {"devices": {"results": [
-                        {"request": req, "driver": DRIVER, "pool": sc.node, "device": device_name(sc, ref)} for _ct, _res, req, refs in reqs for ref in refs
+                        {"request": req, "driver": DRIVER, "pool": sc.node,
+                         "device": device_name(sc, ref)} for _ct, _res, req, refs in reqs for ref in refs
                     ]}},
                     "reservedFor": [{"resource": "pods", "name": p.name, "uid": pod_uid(p)}],
                 },
@@ -254,7 +293,8 @@ def pod_object(sc: Scenario, p: PodSpec) -> dict[str, Any]:
     if ext:
         status["extendedResourceClaimStatus"] = {
             "resourceClaimName": extended_claim_name(p),
-            "requestMappings": [{"containerName": ct.name, "resourceName": res, "requestName": req} for ct, res, req, _refs in ext],
+            "requestMappings": [{"containerName": ct.name, "resourceName": res,
+                                 "requestName": req} for ct, res, req, _refs in ext],
         }
     return {
         "apiVersion": "v1",
@@ -263,6 +303,36 @@ def pod_object(sc: Scenario, p: PodSpec) -> dict[str, Any]:
         "spec": spec,
         "status": status,
     }
+
+
+def pod_with_reported_health(
+    sc: Scenario, p: PodSpec, health: dict[str, str], cdi: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """The pod as the kubelet updates its status when the driver streams device health (KEP-4680):
+    ``health`` maps a scenario device ref to Healthy|Unhealthy|Unknown. Per container and claim one
+    ``allocatedResourcesStatus`` entry named ``claim:<pod's claim name>``, its ``resourceID`` the
+    device's first CDI id where ``cdi`` gives one, else ``<driver>/<pool>/<device>``; an id the
+    claim's devices share is listed once (kubelet pkg/kubelet/cm/dra/manager.go)."""
+    obj = pod_object(sc, p)
+    statuses = []
+    for ct in p.containers:
+        if ct.restartable_init:
+            continue
+        entries = []
+        for cn in ct.claims:
+            c = next(c for c in sc.claims if c.namespace == p.namespace and c.name == cn)
+            ids = {(cdi or {}).get(ref) or f"{DRIVER}/{sc.node}/{device_name(sc, ref)}": health[ref]
+                   for ref in reversed(c.devices) if ref in health}  # (reversed: a shared id keeps the first's)
+            if ids:
+                resources = [{"resourceID": i, "health": h} for i, h in reversed(ids.items())]
+                entries.append({"name": f"claim:{cn}", "resources": resources})
+        st: dict[str, Any] = {"name": ct.name, "ready": True, "restartCount": 0, "image": "registry.example/sim:1",
+                              "imageID": "", "started": True, "state": {"running": {}}}
+        if entries:
+            st["allocatedResourcesStatus"] = entries
+        statuses.append(st)
+    obj["status"]["containerStatuses"] = statuses
+    return obj
 
 
 def kubelet_pods(sc: Scenario, pods: list[PodSpec]) -> list[api_pb2.PodResources]:
@@ -275,12 +345,14 @@ def kubelet_pods(sc: Scenario, pods: list[PodSpec]) -> list[api_pb2.PodResources
             claims = []
             for cn in ct.claims:
                 c = next(c for c in sc.claims if c.namespace == p.namespace and c.name == cn)
-                claims.append(kb.claim(p.namespace, cn, [(DRIVER, sc.node, device_name(sc, ref), None) for ref in c.devices]))
+                held = [(DRIVER, sc.node, device_name(sc, ref), share_id(sc, c, ref)) for ref in c.devices]
+                claims.append(kb.claim(p.namespace, cn, held))
             if ct.extended:
                 # the generated claim, as GetContainerClaimInfos reports it for a container its
                 # request mappings name: all of the claim's devices, like any claim's
                 every = [ref for c2 in p.containers for _res, ref in c2.extended]
-                claims.append(kb.claim(p.namespace, extended_claim_name(p), [(DRIVER, sc.node, device_name(sc, ref), None) for ref in every]))
+                claims.append(kb.claim(p.namespace, extended_claim_name(p),
+                                       [(DRIVER, sc.node, device_name(sc, ref), None) for ref in every]))
             containers.append(kb.container(ct.name, devices=devices, claims=claims))
         out.append(kb.pod(p.namespace, p.name, containers))
     return out

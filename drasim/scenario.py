@@ -111,6 +111,12 @@ class GpuSpec:
     memory_used: Curve
     temperature_base: float
     mig: tuple[MigSpec, ...] = ()
+    # taints the driver put on the GPU in its slice (each of its MIG devices for a GPU in MIG
+    # mode), as NVIDIA's driver writes them: (key, value, effect), e.g. gpu.nvidia.com/xid=43:None
+    taints: tuple[tuple[str, str, str], ...] = ()
+    published: bool = True  # False: the slice leaves the GPU out (a plugin that missed it)
+    # NVIDIA's ConsumableShares (KEP-5075): several claims may hold the GPU, each consuming memory
+    consumable_shares: bool = False
 
     @property
     def device_name(self) -> str:
@@ -123,7 +129,8 @@ class GpuSpec:
 
 
 _RECOVERY_ACTIONS = (1, 2, 3, 4, 5)  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION values other than none
-FAULT_KINDS = ("xid", "lost", "ecc_uncorrectable", "hang", "reset", "recovery_action", "row_remap_failure", "row_remap_pending")
+FAULT_KINDS = ("xid", "lost", "ecc_uncorrectable", "hang", "reset", "recovery_action", "row_remap_failure",
+               "row_remap_pending")
 
 
 @dataclass(frozen=True)
@@ -141,6 +148,7 @@ class ClaimSpec:
     namespace: str
     name: str
     devices: tuple[str, ...]  # GPU names, or "<gpu>:<mig profile>:<placement start>" for MIG
+    memory: int | None = None  # consumed on each consumable-shares GPU; None: the whole GPU (the driver's default)
 
 
 @dataclass(frozen=True)
@@ -275,7 +283,9 @@ class _Obj:
     def int(self, key: builtins.str, default: int) -> int:
         v = self.get(key, default)
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= _MAX_INT:
-            raise ScenarioError(f"{self.where}.{key}: expected a whole number >= 0 (at most {_MAX_INT}), got {_show(v)}")
+            raise ScenarioError(
+                f"{self.where}.{key}: expected a whole number >= 0 (at most {_MAX_INT}), got {_show(v)}"
+            )
         return v
 
     def bool(self, key: builtins.str, default: bool) -> bool:
@@ -366,7 +376,8 @@ def _parse_gpu(i: int, raw: Any, node: str) -> GpuSpec:
         profile = mo.str("profile")
         known = _MIG_PROFILES.get(profile)
         if known is None and "gi_profile_id" not in mo.d:
-            raise ScenarioError(f"{mw}.gi_profile_id: required for profile {_show(profile)} (known: {', '.join(_MIG_PROFILES)})")
+            raise ScenarioError(f"{mw}.gi_profile_id: required for profile {_show(profile)} (known: "
+                                f"{', '.join(_MIG_PROFILES)})")
         gi = mo.int("gi_profile_id", known[0] if known else 0)
         start = mo.int("placement_start", j)
         mmem = parse_bytes(mo.get("memory", f"{known[1]}Gi" if known else "10Gi"), f"{mw}.memory")
@@ -410,13 +421,29 @@ def _parse_gpu(i: int, raw: Any, node: str) -> GpuSpec:
         memory_used=mem,
         temperature_base=o.num("temperature_celsius", 35.0),
         mig=tuple(migs),
+        taints=tuple(_parse_taint(t, f"{where}.taints[{j}]") for j, t in enumerate(o.list("taints"))),
+        published=o.bool("published", True),
+        consumable_shares=o.bool("consumable_shares", False),
     )
     o.done()
+    if g.consumable_shares and g.mig:
+        raise ScenarioError(f"{where}.consumable_shares: only a full GPU is shared here, not one in MIG mode")
     return g
 
 
+def _parse_taint(raw: Any, where: str) -> tuple[str, str, str]:
+    t = _Obj(raw, where)
+    out = (t.str("key"), str(t.get("value", "")), t.str("effect", "NoSchedule"))
+    if out[2] not in ("None", "NoSchedule", "NoExecute"):
+        raise ScenarioError(f"{where}.effect: expected None, NoSchedule or NoExecute, got {_show(out[2])}")
+    t.done()
+    return out
+
+
 # an extended resource name: a domain-prefixed name (nvidia.com/gpu), as the API requires
-_EXTENDED_RESOURCE_RE = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_EXTENDED_RESOURCE_RE = re.compile(
+    r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+)
 
 
 def _device_ref(ref: Any, where: str, gpus: dict[str, GpuSpec]) -> str:
@@ -429,7 +456,8 @@ def _device_ref(ref: Any, where: str, gpus: dict[str, GpuSpec]) -> str:
         raise ScenarioError(f"{where}: unknown GPU {_show(parts[0])} (known: {', '.join(gpus)})")
     if len(parts) == 1:
         if g.mig:
-            raise ScenarioError(f"{where}: GPU {_show(g.name)} is in MIG mode; reference an instance as {g.name}:<profile>:<start>")
+            raise ScenarioError(f"{where}: GPU {_show(g.name)} is in MIG mode; reference an instance as "
+                                f"{g.name}:<profile>:<start>")
         return ref
     if len(parts) != 3 or not any(m.profile == parts[1] and str(m.placement_start) == parts[2] for m in g.mig):
         raise ScenarioError(f"{where}: no MIG instance {_show(ref)} (expected <gpu>:<profile>:<placement start>)")
@@ -463,8 +491,16 @@ def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
         devs = tuple(_device_ref(d, f"claims[{i}].devices[{j}]", gpus) for j, d in enumerate(co.list("devices")))
         if not devs:
             raise ScenarioError(f"claims[{i}].devices: at least one device is required")
-        claims.append(ClaimSpec(namespace=co.str("namespace", "default"), name=co.str("name"), devices=devs))
+        mem = co.get("memory")
+        claims.append(ClaimSpec(namespace=co.str("namespace", "default"), name=co.str("name"), devices=devs,
+                                memory=None if mem is None else parse_bytes(mem, f"claims[{i}].memory")))
         co.done()
+        if mem is not None and not any(gpus[d.split(":")[0]].consumable_shares for d in devs):
+            raise ScenarioError(f"claims[{i}].memory: only a claim on a consumable_shares GPU consumes memory")
+    for g in gpu_list:  # the scheduler never allocates more of a shared GPU than it has
+        held = [c.memory if c.memory is not None else g.memory_bytes for c in claims if g.name in c.devices]
+        if g.consumable_shares and sum(held) > g.memory_bytes:
+            raise ScenarioError(f"{source}.claims: the claims on {_show(g.name)} consume more memory than it has")
     claim_keys = {(c.namespace, c.name) for c in claims}
     if len(claim_keys) != len(claims):
         raise ScenarioError(f"{source}.claims: duplicate claim")
@@ -487,17 +523,20 @@ def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
             dp = []
             for k, draw in enumerate(cobj.list("device_plugin")):
                 dobj = _Obj(draw, f"{cw}.device_plugin[{k}]")
-                dp.append((dobj.str("resource", "nvidia.com/gpu"), _device_ref(dobj.req("device"), f"{cw}.device_plugin[{k}].device", gpus)))
+                dp.append((dobj.str("resource", "nvidia.com/gpu"),
+                           _device_ref(dobj.req("device"), f"{cw}.device_plugin[{k}].device", gpus)))
                 dobj.done()
             ext = []
             for k, draw in enumerate(cobj.list("extended_resources")):
                 dobj = _Obj(draw, f"{cw}.extended_resources[{k}]")
                 res = dobj.str("resource", "nvidia.com/gpu")
                 if not _EXTENDED_RESOURCE_RE.fullmatch(res):
-                    raise ScenarioError(f"{cw}.extended_resources[{k}].resource: expected an extended resource name like nvidia.com/gpu, got {_show(res)}")
+                    raise ScenarioError(f"{cw}.extended_resources[{k}].resource: expected an extended resource name "
+                                        f"like nvidia.com/gpu, got {_show(res)}")
                 ext.append((res, _device_ref(dobj.req("device"), f"{cw}.extended_resources[{k}].device", gpus)))
                 dobj.done()
-            containers.append(ContainerSpec(name=cobj.str("name"), claims=cl, device_plugin=tuple(dp), restartable_init=cobj.bool("restartable_init", False),
+            containers.append(ContainerSpec(name=cobj.str("name"), claims=cl, device_plugin=tuple(dp),
+                                            restartable_init=cobj.bool("restartable_init", False),
                                             extended=tuple(ext)))
             cobj.done()
         if not containers:
@@ -546,7 +585,8 @@ def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
         if kind == "xid" and f.code <= 0:
             raise ScenarioError(f"{fw}.code: an xid fault needs its XID number, e.g. code: 79")
         if kind == "recovery_action" and f.code not in _RECOVERY_ACTIONS:
-            raise ScenarioError(f"{fw}.code: a recovery_action fault needs a value 1..5 (1 GPU reset, 2 node reboot, 3 drain P2P, 4 drain and reset, 5 recover IMEX domain), got {f.code}")
+            raise ScenarioError(f"{fw}.code: a recovery_action fault needs a value 1..5 (1 GPU reset, 2 node reboot, 3 "
+                                f"drain P2P, 4 drain and reset, 5 recover IMEX domain), got {f.code}")
         if "code" in fo.d and kind not in ("xid", "recovery_action"):
             raise ScenarioError(f"{fw}.code: only xid and recovery_action faults take a code")
         if "rate_per_minute" in fo.d and kind != "ecc_uncorrectable":
@@ -637,7 +677,8 @@ def find_scenario(value: str) -> Path:
     bundled = bundled_scenarios()
     if value in bundled:
         return bundled[value]
-    raise ScenarioError(f"--scenario {value}: no such file, and no bundled scenario of that name (bundled: {', '.join(bundled)})")
+    raise ScenarioError(f"--scenario {value}: no such file, and no bundled scenario of that name (bundled: "
+                        f"{', '.join(bundled)})")
 
 
 def default_scenario() -> Scenario:

@@ -21,9 +21,8 @@ from .config import Config
 from .devices.collector import DeviceCollector
 from .health.engine import HealthEngine
 from .health.starvation import StarvationMonitor
-from .metrics.ondemand import OnDemand
 from .metrics.render import Renderer, RenderState
-from .metrics.server import MetricsServer, Probe
+from .metrics.server import Expositions, MetricsServer, Probe
 from .model.inputs import CycleJoin
 from .model.processes import PROCESSES
 from .model.snapshot import SNAPSHOT, Snapshot
@@ -88,7 +87,7 @@ class Agent:
         self.clock = clock
         self.health = outputs.health
         self.starvation = outputs.starvation
-        self.expositions = OnDemand(outputs.renderer)  # each cycle's state, rendered when asked
+        self.expositions = Expositions(outputs.renderer)  # each cycle's state, rendered when a scrape asks
         self.server: MetricsServer | None = None
         self.status: dict[str, CollectorStatus] = {}
         self.snapshot: Snapshot | None = None
@@ -143,7 +142,6 @@ class Agent:
                 log.exception("stop_failed", part=name)
         if self.server is not None:
             self.server.stop()
-        self.expositions.close()
         self.starvation.stop()
 
     def _loop(self) -> None:
@@ -196,13 +194,15 @@ class Agent:
             self.health.set_topology(identities)
             self._topology = uuids
         self.health.observe(identities, readings)
-        snap = self._join.join(found, self.clock.wall(), self.clock.monotonic(), identities, readings, self.health.all_health())
+        snap = self._join.join(found, self.clock.wall(), self.clock.monotonic(), identities, readings,
+                               self.health.all_health())
         self.snapshot = snap
         rem = self.out.remediation
         if rem is not None:
             rem.update(snap)
             rep = rem.report()  # a refused write (401, 403, 422) fails it: /readyz says why
-            self.status["remediation"] = CollectorStatus(success=rep.healthy, error=rep.problem, last_success=time.monotonic() if rep.healthy else None)
+            self.status["remediation"] = CollectorStatus(success=rep.healthy, error=rep.problem,
+                                                         last_success=time.monotonic() if rep.healthy else None)
         found = found.with_value(SNAPSHOT, snap, fresh=True)
         for c in self.src.after_join:
             found = self._run(c, found)
@@ -213,12 +213,13 @@ class Agent:
         except Exception:  # a bug in the accounting must not cost the cycle: keep the last totals
             log.exception("usage_accounting_failed")
         self.cycles += 1
-        self.status["cycle"] = CollectorStatus(duration=time.perf_counter() - t0, success=True, last_success=time.monotonic())
+        self.status["cycle"] = CollectorStatus(duration=time.perf_counter() - t0, success=True,
+                                               last_success=time.monotonic())
         self.publish()
         return snap
 
     def publish(self) -> None:
-        """Publish the cycle's state: rendered when a scrape asks for it (exporter/metrics/ondemand.py)."""
+        """Publish the cycle's state: rendered when a scrape asks for it (exporter/metrics/server.py)."""
         rep = self.out.remediation.report() if self.out.remediation is not None else None
         xid_counts, read_errors = self.health.counters()  # one consistent copy under the lock
         starved = self.starvation.state()
@@ -259,14 +260,21 @@ class Agent:
         """
         limit = 3 * self.cfg.interval + self.cfg.call_timeout
         dev = self.status.get(self.src.devices.name)
-        problems = [f"{n}: {s.error}" for n, s in sorted(self.status.items()) if not s.success and s.error and n != self.src.devices.name]
+        problems = [
+            f"{n}: {s.error}"
+            for n, s in sorted(self.status.items())
+            if not s.success and s.error and n != self.src.devices.name
+        ]
         problems += [p for c in self.src.all for p in c.problems()]
+        problems += self.snapshot.unpublished_notes() if self.snapshot is not None else []
         starved = self.starvation.state()
         if starved.starved:
             # The agent's problem, not a device's: late reads are not held against the GPUs.
             problems.append(f"agent starved of CPU: {starved.reason}; worst scheduling lag {starved.lag_seconds:.2f}s")
         if dev is None or dev.last_success is None:
-            return False, "not ready: no successful device collection yet" + (f" ({dev.error})" if dev and dev.error else "")
+            return False, "not ready: no successful device collection yet" + (
+                f" ({dev.error})" if dev and dev.error else ""
+            )
         if not self.expositions.published:  # devices read, the cycle not yet published: nothing to serve
             return False, "not ready: first collection cycle still running"
         if self.expositions.error is not None:  # a render failed: logged; the last good bytes are served
@@ -275,7 +283,8 @@ class Agent:
             problems.append(f"{self.expositions.error}; serving the last metrics rendered")
         age = time.monotonic() - dev.last_success
         if age > limit:
-            why = f"not ready: last successful device collection {age:.1f}s ago (limit {limit:.1f}s): {dev.error or 'sampler stalled'}"
+            why = (f"not ready: last successful device collection {age:.1f}s ago (limit {limit:.1f}s): "
+                   f"{dev.error or 'sampler stalled'}")
             return False, why + "".join(f"\n{p}" for p in problems if p.startswith("agent starved"))
         if problems:
             return True, "ready (degraded)\n" + "\n".join(problems)
@@ -293,8 +302,10 @@ class Agent:
         last = cyc.last_success if cyc is not None and cyc.last_success is not None else self._started
         if self._thread is not None and now - last > limit:
             what = "since the agent started" if cyc is None else "ago"
-            return False, f"not alive: sampler stuck, last collection cycle completed {now - last:.0f}s {what} (limit {limit:.0f}s)"
+            return False, (f"not alive: sampler stuck, last collection cycle completed {now - last:.0f}s {what} (limit "
+                           f"{limit:.0f}s)")
         beat = self.src.devices.heartbeat()
         if beat is not None and now - beat > self.EVENT_STALL:
-            return False, f"not alive: device event thread stuck, last turn of its loop {now - beat:.0f}s ago (limit {self.EVENT_STALL:.0f}s)"
+            return False, (f"not alive: device event thread stuck, last turn of its loop {now - beat:.0f}s ago (limit "
+                           f"{self.EVENT_STALL:.0f}s)")
         return True, "ok"

@@ -11,7 +11,8 @@ class Backoff:
     """Capped exponential backoff with jitter: each delay in [d/2, d] (and not below
     ``min_delay``), d doubling from ``initial`` to ``cap``; a Retry-After wins when longer."""
 
-    def __init__(self, initial: float = 0.5, cap: float = 30.0, rng: Callable[[], float] = random.random, min_delay: float = 0.0) -> None:
+    def __init__(self, initial: float = 0.5, cap: float = 30.0, rng: Callable[[], float] = random.random,
+                 min_delay: float = 0.0) -> None:
         self.initial = initial
         self.cap = cap
         self.min_delay = min_delay  # no delay below this, jitter or not

@@ -52,7 +52,8 @@ def load_demo() -> DemoCommand | str:
     try:
         return cast(DemoCommand, ep.load())
     except ImportError as e:
-        return f"the demo needs the simulator package (drasim), which is not installed here ({e}); the container image leaves it out: run the demo from `pip install dra-gpu-exporter`"
+        return (f"the demo needs the simulator package (drasim), which is not installed here ({e}); the container "
+                "image leaves it out: run the demo from `pip install dra-gpu-exporter`")
 
 
 
@@ -137,9 +138,11 @@ def run_agent(cfg: Config) -> int:
     # the kubelet collector reports the failure): say so once, do not refuse to start.
     problem = check_kubelet_socket(cfg.kubelet_socket)
     if problem == "missing":
-        log.warning("kubelet_socket_missing", socket=cfg.kubelet_socket, hint="waiting for the kubelet; device metrics are served meanwhile")
+        log.warning("kubelet_socket_missing", socket=cfg.kubelet_socket,
+                    hint="waiting for the kubelet; device metrics are served meanwhile")
     elif problem:
-        log.warning("kubelet_socket_problem", socket=cfg.kubelet_socket, problem=problem, hint="retrying; pod attribution is off until it is fixed")
+        log.warning("kubelet_socket_problem", socket=cfg.kubelet_socket, problem=problem,
+                    hint="retrying; pod attribution is off until it is fixed")
     try:
         agent = build_agent(cfg)
         agent.start()

@@ -56,7 +56,8 @@ class Gathered:
 
     __slots__ = ("_fresh", "_values")
 
-    def __init__(self, values: Mapping[Slot[object], object] | None = None, fresh: frozenset[Slot[object]] = frozenset()) -> None:
+    def __init__(self, values: Mapping[Slot[object], object] | None = None,
+                 fresh: frozenset[Slot[object]] = frozenset()) -> None:
         self._values: dict[Slot[object], object] = dict(values or {})
         self._fresh = fresh
 

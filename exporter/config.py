@@ -486,6 +486,14 @@ class Config:
         help="pod labels exported on dra_pod_labels",
         doc="pod labels exported on `dra_pod_labels` (opt-in cardinality)",
     )
+    kubelet_device_health: bool = flag(
+        "kubelet-device-health", parse_bool, False, switch=True,
+        help="watch this node's pods for the kubelet's device health (KEP-4680) on dra_device_reported_health; "
+        "needs pods list/watch",
+        doc="watch this node's pods and export the device health the kubelet reports in their status (KEP-4680) on "
+        "`dra_device_reported_health`, beside the agent's own; needs RBAC `list`/`watch` on pods "
+        "(see [Deploying](deploy.md#kubelet-reported-device-health))",
+    )
     exclude_metrics: frozenset[str] = flag(
         "exclude-metrics", parse_exclude_metrics, frozenset[str](), metavar="NAME,GLOB",
         help="metrics never exported, by name or shell pattern (e.g. 'dra_claim_memory_*')",

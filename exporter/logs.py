@@ -32,7 +32,8 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
     renderer = (
         structlog.processors.JSONRenderer()
         if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback)
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(),
+                                           exception_formatter=structlog.dev.plain_traceback)
     )
     structlog.configure(
         processors=[

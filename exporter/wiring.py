@@ -27,10 +27,11 @@ from .devices.select import make_backend
 from .health.engine import HealthEngine, HealthPolicy
 from .health.starvation import StarvationMonitor
 from .kubelet.client import PodResourcesClient
-from .kubelet.collector import KubeletCollector, PodResources, claim_refs
+from .kubelet.collector import KubeletCollector, PodResources
 from .metrics.render import Renderer
 from .metrics.server import MetricsServer
 from .metrics.webconfig import load_web_config
+from .model.inputs import NeededClaims
 from .model.processes import ProcessCollector
 from .model.usage import UsageAccountant
 
@@ -124,11 +125,12 @@ def _discovery(api: ApiClient | None) -> Discovery | None:
 
 def _api_collectors(cfg: Config, api: ApiClient, discovery: Discovery) -> list[Collector[object]]:
     """The Kubernetes API's sources: this node's ResourceSlices (watched), the claims its pods
-    hold (fetched as the kubelet names them), its Pods (listed, when labels or per-process
-    attribution want them)."""
+    hold that the join needs (fetched, see NeededClaims), its Pods (listed, when labels or per-process
+    attribution want them; watched with --kubelet-device-health)."""
     # (imported here: only an agent with an API server pays for the kubernetes client)
     from .k8s.claims import ClaimCache
     from .k8s.collectors import ClaimCollector, PodCollector, SliceCollector
+    from .k8s.podhealth import PodWatcher, ReportedHealthCollector
     from .k8s.pods import NodePods
     from .k8s.slices import SliceWatcher
 
@@ -137,10 +139,16 @@ def _api_collectors(cfg: Config, api: ApiClient, discovery: Discovery) -> list[C
     deadline = max(cfg.call_timeout, 0.5)
     out: list[Collector[object]] = [
         SliceCollector(SliceWatcher(api, cfg.node_name, discovery=discovery)),
-        ClaimCollector(ClaimCache(api, discovery=discovery), claim_refs, deadline),
+        ClaimCollector(ClaimCache(api, discovery=discovery), NeededClaims(every=cfg.kubelet_device_health), deadline),
     ]
-    if cfg.per_process or cfg.pod_label_allowlist:
-        out.append(PodCollector(NodePods(api, cfg.node_name), deadline))
+    # The kubelet's device health comes from a watch of the node's pods, which then also serves
+    # labels and per-process attribution (one read of the pods, not a list beside a watch).
+    watched = PodWatcher(api, cfg.node_name) if cfg.kubelet_device_health else None
+    pods = bool(cfg.per_process or cfg.pod_label_allowlist)
+    if pods:
+        out.append(PodCollector(watched or NodePods(api, cfg.node_name), deadline))
+    if watched is not None:
+        out.append(ReportedHealthCollector(watched, counted=not pods))
     return out
 
 

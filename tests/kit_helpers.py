@@ -31,6 +31,8 @@ from typing import TypeVar
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.devices.model import DeviceIdentity, Vendor
+from exporter.metrics.render import Exposition, Renderer, RenderState
+from exporter.metrics.server import Expositions, MetricsServer
 
 T = TypeVar("T")
 
@@ -149,3 +151,24 @@ def running_demo(port: int, *args: str, env: Mapping[str, str] | None = None, cw
             yield proc
         finally:
             stop_process(proc, timeout=15)
+
+
+class _Given:
+    """A renderer whose every render is the same exposition (a test serving given bytes)."""
+
+    def __init__(self, exposition: Exposition) -> None:
+        self.exposition = exposition
+
+    def render(self, state: RenderState) -> Exposition:
+        return self.exposition
+
+
+def publish(server: MetricsServer, what: RenderState | Exposition | None = None) -> Expositions:
+    """Serve ``what`` at ``server``'s /metrics as the agent serves a cycle: a state is rendered
+    when scraped, an exposition served as given; by default a state of one cycle. What /metrics
+    serves is then ``server.source.exposition()``."""
+    what = RenderState(cycles=1) if what is None else what
+    cache = Expositions(_Given(what) if isinstance(what, Exposition) else Renderer())
+    cache.publish(what if isinstance(what, RenderState) else RenderState())
+    server.serve_from(cache)
+    return cache

@@ -65,6 +65,13 @@ TOGGLES: dict[str, dict[str, Any]] = {
     "extra": {"extraArgs": ["--interval", "5"], "extraEnv": [{"name": "DRA_GPU_EXPORTER_LOG_LEVEL", "value": "debug"}],
               "podAnnotations": {"example.com/a": "b"}, "podLabels": {"team": "gpu"}, "scrapeAnnotations": False},
     "budget": {"budget": {"maxDomains": 8, "fraction": 0.1, "clusterGPUs": 4000}},
+    "network-policy": {"networkPolicy": {"enabled": True}},
+    "network-policy-selectors": {"networkPolicy": {
+        "enabled": True, "metrics": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                                     "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},
+        "apiServer": {"cidrs": ["10.0.0.10/32", "fd00::10/128"], "port": 443},
+        "extraEgress": [{"to": [{"ipBlock": {"cidr": "10.1.0.0/16"}}], "ports": [{"port": 4317, "protocol": "TCP"}]}]},
+        "kubeRbacProxy": {"enabled": True}},
 }
 
 
@@ -160,9 +167,11 @@ def test_every_render_validates_strictly(toggle: str) -> None:
         {"dcgmCompat": {"generation": "4.7"}},
         {"dcgmCompat": {"generation": 4.7}},
         {"dcgmCompat": {"enabled": True}},
+        {"networkPolicy": {"enabled": True, "apiServer": {"cidrs": ["10.0.0.10"]}}},
+        {"networkPolicy": {"enabled": True, "ingressFrom": []}},
     ],
     ids=["mode", "unknown-key", "unknown-image-key", "no-drivers", "fraction", "interval", "dcgm-generation",
-         "dcgm-generation-number", "dcgm-unknown-key"],
+         "dcgm-generation-number", "dcgm-unknown-key", "network-policy-cidr", "network-policy-unknown-key"],
 )
 def test_schema_rejects_bad_values(values: dict[str, Any]) -> None:
     with pytest.raises(helm_python.HelmError):
@@ -231,6 +240,46 @@ def test_dcgm_compat_refuses_the_same_rules_twice() -> None:
     assert "dra-gpu-exporter.dcgm-compat" in [g["name"] for g in _one(render_docs(old_way), "PrometheusRule")["spec"]["groups"]]
     with pytest.raises(helm_python.HelmError, match="record the same series twice"):
         render({**old_way, "dcgmCompat": {"generation": "4.9"}})
+
+
+def test_network_policy_is_off_by_default() -> None:
+    assert not [d for d in render_docs() if d["kind"] == "NetworkPolicy"]
+    assert not [d for d in render_docs({"serviceMonitor": {"enabled": True}}) if d["kind"] == "NetworkPolicy"]
+
+
+def test_network_policy_admits_scrapes_and_opens_the_api_server_and_dns() -> None:
+    policy = _one(render_docs(TOGGLES["network-policy"]), "NetworkPolicy")
+    daemonset = _one(render_docs(TOGGLES["network-policy"]), "DaemonSet")
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"].items() <= daemonset["spec"]["template"]["metadata"]["labels"].items()
+    assert spec["policyTypes"] == ["Ingress", "Egress"]
+    # no selector set: the metrics port from anywhere, nothing else
+    assert spec["ingress"] == [{"ports": [{"port": 9402, "protocol": "TCP"}]}]
+    api, dns = spec["egress"]
+    assert api == {"ports": [{"port": 6443, "protocol": "TCP"}]}  # no CIDR set: the port to any address
+    assert dns["to"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                          "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}]
+    assert sorted(p["protocol"] for p in dns["ports"]) == ["TCP", "UDP"] and {p["port"] for p in dns["ports"]} == {53}
+
+
+def test_network_policy_selectors_cidrs_and_extra_rules() -> None:
+    spec = _one(render_docs(TOGGLES["network-policy-selectors"]), "NetworkPolicy")["spec"]
+    # kube-rbac-proxy serves the metrics: its port is the one opened; both selectors in ONE peer (AND)
+    assert spec["ingress"] == [{
+        "ports": [{"port": 9443, "protocol": "TCP"}],
+        "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                  "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}],
+    }]
+    api, _dns, extra = spec["egress"]
+    assert api == {"ports": [{"port": 443, "protocol": "TCP"}],
+                   "to": [{"ipBlock": {"cidr": "10.0.0.10/32"}}, {"ipBlock": {"cidr": "fd00::10/128"}}]}
+    assert extra == {"to": [{"ipBlock": {"cidr": "10.1.0.0/16"}}], "ports": [{"port": 4317, "protocol": "TCP"}]}
+    # one selector alone, DNS off
+    values = {"networkPolicy": {"enabled": True, "metrics": {"podSelector": {"matchLabels": {"app": "vmagent"}}},
+                                "dns": {"enabled": False}}}
+    spec = _one(render_docs(values), "NetworkPolicy")["spec"]
+    assert spec["ingress"][0]["from"] == [{"podSelector": {"matchLabels": {"app": "vmagent"}}}]
+    assert [r["ports"][0]["port"] for r in spec["egress"]] == [6443]
 
 
 def test_dashboards_are_configmaps_for_the_grafana_sidecar() -> None:

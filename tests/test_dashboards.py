@@ -41,6 +41,7 @@ REQUIRED_VARIABLES = {
 # Metrics the exporter only emits in situations the demo does not create.
 ABSENT_IN_DEMO = {
     "dra_gpu_exporter_taint_suppressed_total": "only counted once a fault's rule is suppressed (budget, rate limit, kill switch)",
+    "dra_device_reported_health": "opt-in (--kubelet-device-health, off by default: docs/deploy.md says why)",
 }
 SCRAPE_INTERVAL_S = 1
 BUILTINS = {"__rate_interval": f"{4 * SCRAPE_INTERVAL_S}s", "__interval": f"{SCRAPE_INTERVAL_S}s"}

@@ -3,12 +3,16 @@
 AMD's DRA driver (ROCm/k8s-gpu-dra-driver v1.x, AutoPartition) puts NoExecute taints
 ``gpu.amd.com/memory-partition-conflict`` on its virtual partition devices to steer scheduling
 once a memory mode is in use (tests/fakes/amd_autopartition_slices.py, from the driver's source).
+NVIDIA's DRA driver taints devices in its slice on XIDs (``gpu.nvidia.com/xid``, NoSchedule or
+None), lost GPUs and unmonitored devices; those taints are sticky (only a restart of its kubelet
+plugin clears them), so a healthy GPU can carry one for days.
 Other parties write DeviceTaintRules of their own. None of that is this agent's business: the
 whole agent (production wiring, amdsmi's real Python layer over the fake library, the kubelet's
 real gRPC server, the HTTP API emulation with the strict schema check) runs in enforce mode on a
 node whose slices carry those taints, with two foreign DeviceTaintRules on its devices and pods
 on the tainted devices, and must show no health change, take no budget slot, adopt, change or
-delete no rule, count no pod as pending eviction and write nothing at all.
+delete no rule, count no pod as pending eviction and write nothing at all. Every taint shows in
+``dra_device_taint_info`` once, with its source, beside this agent's own rules.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from fakes import fake_amdsmi as fake
 from fakes.amd_autopartition_slices import TAINT_KEY, autopartition_slices
 from fakes.fake_amdsmi import FakeAmdGpu, FakeAmdSmiNode, mi300x_cpx_amdsmi_7_0
 from k8s_helpers import running_apiserver, wait_until, write_kubeconfig
-from kit_helpers import fetch
+from kit_helpers import fetch, scrape_samples
 from prometheus_client.parser import text_string_to_metric_families
 from validation import StrictValidator
 
@@ -125,6 +129,13 @@ def test_the_amd_drivers_taints_and_foreign_rules_are_no_health_no_budget_and_no
             # nothing adopted, nothing counted, nothing pending, no budget slot
             assert report.rules == () and report.pending_eviction == () and dict(report.actions) == {} and dict(report.suppressed) == {}
             assert [s for s in samples if s.name in ("dra_device_taint_rule", "dra_taint_pods_pending_eviction")] == []
+            # every taint the driver published shows once, with the driver as its source (the foreign
+            # rules are not read: the agent watches only its own); none is this agent's
+            shown = sorted((s.labels["device"], s.labels["key"], s.labels["value"], s.labels["effect"], s.labels["source"])
+                           for s in samples if s.name == "dra_device_taint_info")
+            assert shown == sorted((d, TAINT_KEY, "nps1", "NoExecute", AMD) for d in tainted)
+            # both GPUs published (GPU 0 through its partition devices)
+            assert [(s.labels["driver"], s.value) for s in samples if s.name == "dra_unpublished_devices"] == [(AMD, 0)]
             assert not rem.rails.raised and not rem.record.noexecute_domains()
             assert api.get("", "configmaps", "dra-gpu-exporter-budget", "dra-gpu-exporter")["data"] == budget_before["data"]
             # the foreign rules untouched (same object, same resourceVersion), none deleted, none added
@@ -151,3 +162,80 @@ def test_the_record_of_owned_rules_never_adopts_a_rule_without_the_agents_label(
                       tier="degraded")
     sync = record.sync([theirs, mine], lags=False, now=0.0)
     assert [r.name for r in sync.adopted] == [mine.name] and [r.name for r in record.values()] == [mine.name]
+
+
+NVIDIA_TAINTED = """
+name: nvidia-driver-taints
+node: nv-node
+gpus:
+  - {name: gpu0, taints: [{key: gpu.nvidia.com/xid, value: "79", effect: NoSchedule}]}
+  - {name: gpu1, taints: [{key: gpu.nvidia.com/gpu-lost, effect: NoSchedule}, {key: gpu.nvidia.com/xid, value: "48", effect: NoSchedule}]}
+  - {name: gpu2, taints: [{key: gpu.nvidia.com/unmonitored, effect: None}]}
+  - {name: gpu3, taints: [{key: gpu.nvidia.com/xid, value: "43", effect: None}]}
+  - {name: gpu4, mig: [{profile: 3g.40gb, placement_start: 0}, {profile: 3g.40gb, placement_start: 4}],
+     taints: [{key: gpu.nvidia.com/xid, value: "31", effect: None}]}
+  - {name: gpu5}
+claims:
+  - {namespace: ml, name: train, devices: [gpu0]}
+pods:
+  - {namespace: ml, name: trainer, containers: [{name: main, claims: [train]}]}
+faults:
+  - {kind: xid, gpu: gpu3, at: 2s, code: 79}
+"""
+
+
+def test_nvidia_driver_taints_show_by_source_beside_ours_and_are_no_health_no_budget(tmp_path):
+    """NVIDIA's slice taints in its own format on healthy GPUs: shown once each with the driver
+    as source, never health, never a rule, never a budget slot, never written; the one GPU our
+    evidence finds failing (an XID 79 from the device) gets our rule, shown beside its driver's
+    taint with our source."""
+    import yaml
+
+    from drasim.backend import SimClock
+    from drasim.node import SimulatedNode
+    from drasim.scenario import parse_scenario
+
+    sc = parse_scenario(yaml.safe_load(NVIDIA_TAINTED))
+    nv = "gpu.nvidia.com"
+    with SimulatedNode(sc, SimClock(1.0)) as node:
+        node.start()
+        slices_before = copy.deepcopy(node.api.list("resource.k8s.io", "resourceslices"))
+        agent = node.start_agent(interval=0.2, taint_mode=TaintMode.ENFORCE, remediation_resync=0.2)
+        assert agent.server is not None and agent.out.remediation is not None
+        rem = agent.out.remediation
+
+        def taints() -> list[tuple[str, ...]]:
+            return sorted((lb["device"], lb["uuid"], lb["key"], lb["value"], lb["effect"], lb["source"])
+                          for lb, _ in scrape_samples(agent.server.url).get("dra_device_taint_info", []))
+
+        def ours() -> list[tuple[str, ...]] | None:
+            mine = [t for t in taints() if t[5] == "dra-gpu-exporter"]
+            return mine or None
+
+        mine = wait_until(ours, 60, message="our rule on gpu-3")
+        samples = scrape_samples(agent.server.url)
+        report = rem.report()
+        slices_after = node.api.list("resource.k8s.io", "resourceslices")
+    g = {x.name: x for x in sc.gpus}
+    migs = [g["gpu4"].mig_device_name(m) for m in g["gpu4"].mig]
+    mig_uuids = [m.uuid for m in g["gpu4"].mig]
+    driver_rows = sorted([
+        ("gpu-0", g["gpu0"].uuid, f"{nv}/xid", "79", "NoSchedule", nv),
+        ("gpu-1", g["gpu1"].uuid, f"{nv}/gpu-lost", "", "NoSchedule", nv),
+        ("gpu-1", g["gpu1"].uuid, f"{nv}/xid", "48", "NoSchedule", nv),
+        ("gpu-2", g["gpu2"].uuid, f"{nv}/unmonitored", "", "None", nv),
+        ("gpu-3", g["gpu3"].uuid, f"{nv}/xid", "43", "None", nv),
+        *((d, u, f"{nv}/xid", "31", "None", nv) for d, u in zip(migs, mig_uuids, strict=True)),
+    ])
+    shown = sorted((lb["device"], lb["uuid"], lb["key"], lb["value"], lb["effect"], lb["source"]) for lb, _ in samples["dra_device_taint_info"])
+    assert [t for t in shown if t[5] == nv] == driver_rows  # each once, with its source
+    # ours: on gpu-3 only (the device our evidence found failing), under our key
+    assert {t[0] for t in mine} == {"gpu-3"} and all(t[2].startswith("gpu-health.dra-gpu-exporter.io/") for t in mine)
+    # (the effect may move from NoSchedule to NoExecute between the scrape and the report)
+    assert [r.device for r in report.rules] == ["gpu-3"] and {t[4] for t in mine} <= {"NoSchedule", "NoExecute"}
+    # the driver-tainted GPUs stay healthy to us and get no rule, no budget slot
+    healthy = {lb["uuid"]: v for lb, v in samples["gpu_healthy"]}
+    assert all(healthy[x.uuid] == 1.0 for x in sc.gpus if x.name != "gpu3") and healthy[g["gpu3"].uuid] == 0.0
+    assert rem.rails.raised <= {g["gpu3"].uuid}
+    # never removed (nor touched) by us: the slices are as the driver left them
+    assert [sl["spec"] for sl in slices_after] == [sl["spec"] for sl in slices_before]

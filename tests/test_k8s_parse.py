@@ -93,6 +93,24 @@ def test_v1beta1_nested_basic_gives_the_same_devices():
     assert [(d.key, d.attributes, d.capacity) for d in beta] == [(d.key, d.attributes, d.capacity) for d in v1]
 
 
+@pytest.mark.parametrize("version", ["v1", "v1beta2", "v1beta1"])
+def test_driver_taints_in_nvidias_format_in_every_shape(version):
+    """NVIDIA's DRA driver writes key, value (the XID) and effect, and leaves timeAdded to the API
+    server, which then sets it; v1beta1 nests the taints under basic like the attributes."""
+    obj = nvidia_slice_v1()
+    obj["spec"]["devices"][0]["taints"] = [
+        {"key": "gpu.nvidia.com/xid", "value": "79", "effect": "NoSchedule", "timeAdded": "2026-11-28T10:00:00Z"},
+        {"key": "gpu.nvidia.com/gpu-lost", "effect": "NoSchedule"},
+    ]
+    obj["spec"]["devices"][1]["taints"] = [{"key": "gpu.nvidia.com/unmonitored", "effect": "None"}]
+    obj = to_v1beta1(obj) if version == "v1beta1" else {**obj, "apiVersion": f"resource.k8s.io/{version}"}
+    gpu, mig = parse_slice(obj, version)
+    assert [(t.key, t.value, t.effect) for t in gpu.taints] == [("gpu.nvidia.com/xid", "79", "NoSchedule"), ("gpu.nvidia.com/gpu-lost", "", "NoSchedule")]
+    assert [(t.key, t.value, t.effect) for t in mig.taints] == [("gpu.nvidia.com/unmonitored", "", "None")]
+    # a changed taint is a changed device: the join re-derives what the node publishes
+    assert gpu != parse_slice(nvidia_slice_v1(), "v1")[0]
+
+
 def test_list_items_without_apiversion_use_the_requested_version():
     obj = to_v1beta1(nvidia_slice_v1())
     del obj["apiVersion"]  # items of a list response carry no apiVersion
@@ -315,6 +333,27 @@ def test_claim_results_joined_with_status_data(version):
     assert info.devices[1].data == {"uuid": {"string": "GPU-b"}}
     assert info.devices[2].data == {"uuid": "u2"}
     assert info.reserved_for == ("trainer-0", "trainer-1")
+
+
+@pytest.mark.parametrize("shape", ["v1", "v1beta1"])
+def test_consumable_capacity_device_and_consumed_capacity(shape):
+    """KEP-5075: allowMultipleAllocations on the device (under ``basic`` in v1beta1), and each
+    result's consumedCapacity as numbers under the driver-qualified capacity names."""
+    sl = nvidia_slice_v1()
+    sl["spec"]["devices"][0]["allowMultipleAllocations"] = True
+    policy = {"default": "80Gi", "validRange": {"min": "1Mi", "step": "1Mi"}}
+    sl["spec"]["devices"][0]["capacity"]["memory"]["requestPolicy"] = policy
+    gpu0, mig = parse_slice(to_v1beta1(sl) if shape == "v1beta1" else sl, shape)
+    assert gpu0.multiple and not mig.multiple and gpu0.capacity == {"gpu.nvidia.com/memory": "80Gi"}
+    obj = claim_obj()
+    consumed = {"memory": "20Gi", "example.com/cores": "1500m"}
+    obj["status"]["allocation"]["devices"]["results"][2]["consumedCapacity"] = consumed
+    info = parse_claim(obj, "v1")
+    assert info.devices[2].consumed == {"gpu.example.com/memory": 20 * 2**30, "example.com/cores": 1.5}
+    assert info.devices[0].consumed == {}
+    obj["status"]["allocation"]["devices"]["results"][2]["consumedCapacity"] = {"memory": "lots"}
+    with pytest.raises(ParseError, match=r"consumedCapacity\[memory\]"):
+        parse_claim(obj, "v1")
 
 
 def test_unallocated_claim_has_no_devices():

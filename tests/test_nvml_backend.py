@@ -217,6 +217,47 @@ def test_slow_direct_calls_keep_the_same_period(nvml) -> None:
     assert fake.calls_on(GPU0, "nvmlDeviceGetTotalEnergyConsumption") == 2
 
 
+THROTTLE_NS = {74: 12_500_000_000, 75: 0, 76: 0, 77: 250_000_000, 78: 3_000_000_000, 79: 0, 80: 15_750_000_000,
+               81: 1_000}  # fmt: skip
+THROTTLE_S = {"power": 12.5, "thermal": 0.0, "sync_boost": 0.0, "board_limit": 0.25, "low_utilization": 3.0,
+              "reliability": 0.0, "total_app_clocks": 15.75, "total_base_clocks": 1e-6}  # fmt: skip
+
+
+def test_throttle_time_per_reason_comes_from_the_perf_policy_fields_in_seconds_on_the_slow_schedule(nvml) -> None:
+    """NVML's violation counters (ns since the driver loaded) ride in the batch with the slow
+    fields: read once per period, the last value held in between, never asked one by one."""
+    now = [1000.0]
+    gpu = busy_gpu(fields={**busy_gpu().fields, **THROTTLE_NS, 76: None})  # no sync boost on this GPU
+    fake, backend = nvml([gpu], slow_counter_period_s=10.0, clock=lambda: now[0])
+    (d0,) = backend.enumerate()
+    first = backend.read(d0)
+    assert first.throttle_seconds == {k: v for k, v in THROTTLE_S.items() if k != "sync_boost"}
+    assert set(THROTTLE_NS) - {76} <= set(fake.field_requests[GPU0][-1])
+    fake.set_field(GPU0, 74, 20_000_000_000)
+    now[0] += 5.0
+    held = backend.read(d0)
+    assert not set(THROTTLE_NS) & set(fake.field_requests[GPU0][-1])
+    assert held.throttle_seconds["power"] == 12.5
+    now[0] += 5.0
+    assert backend.read(d0).throttle_seconds["power"] == 20.0
+    assert 76 not in fake.field_requests[GPU0][-1]  # unsupported: not asked again
+    # the unsupported field's direct equivalent was tried once (unsupported too), the others never
+    assert fake.counts["nvmlDeviceGetViolationStatus"] == 1
+
+
+def test_throttle_time_falls_back_to_the_deprecated_violation_call_without_the_batch(nvml) -> None:
+    now = [1000.0]
+    gpu = busy_gpu(fields={**busy_gpu().fields, **THROTTLE_NS})
+    no_batch = lambda f: f.remove_function("nvmlDeviceGetFieldValues")  # noqa: E731
+    fake, backend = nvml([gpu], setup=no_batch, slow_counter_period_s=10.0, clock=lambda: now[0])
+    (d0,) = backend.enumerate()
+    for _ in range(3):
+        r = backend.read(d0)
+        now[0] += 1.0
+    assert r.throttle_seconds == THROTTLE_S
+    assert fake.counts["nvmlDeviceGetViolationStatus"] == len(THROTTLE_NS)  # once each per period
+
+
 def test_direct_calls_replace_the_batch_when_field_values_is_missing(nvml) -> None:
     fake, backend = nvml([busy_gpu()], setup=lambda f: f.remove_function("nvmlDeviceGetFieldValues"))
     (d0,) = backend.enumerate()

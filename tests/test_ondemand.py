@@ -1,5 +1,5 @@
-"""Render on demand (exporter/metrics/ondemand.py): a cycle's state is rendered when something
-asks for its bytes, at most once per cycle, off the HTTP event loop.
+"""Render on demand (``Expositions`` in exporter/metrics/server.py): a cycle's state is rendered
+when something asks for its bytes, at most once per cycle, off the HTTP event loop.
 
 Against the real renderer and the real HTTP server on a real socket, and the whole agent on a
 simulated node (real kubelet gRPC and API server peers). Where a render must be held in flight
@@ -22,9 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from drasim.scenario import default_scenario
-from exporter.metrics.ondemand import OnDemand
 from exporter.metrics.render import Exposition, Renderer, RenderState
-from exporter.metrics.server import MetricsServer
+from exporter.metrics.server import Expositions, MetricsServer
 from exporter.metrics.web import Limits
 
 PLAIN: dict[str, str] = {}
@@ -65,19 +64,18 @@ class GatedRenderer(Renderer):
 
 @pytest.fixture
 def served():
-    """(server, OnDemand, renderer): the server serving an OnDemand over a gated renderer (gate open)."""
+    """(server, Expositions, renderer): the server serving an Expositions over a gated renderer (gate open)."""
     renderer = GatedRenderer()
     renderer.gate.set()
-    od = OnDemand(renderer)
+    od = Expositions(renderer)
     s = MetricsServer("127.0.0.1", 0, lambda: (True, "ready"), limits=Limits(max_connections=32, idle_timeout=30.0, header_timeout=30.0))
     s.serve_from(od)
     s.start()
     try:
         yield s, od, renderer
     finally:
-        s.stop()
-        od.close()
         renderer.gate.set()
+        s.stop()
 
 
 def get(s: MetricsServer, headers: dict[str, str] = PLAIN, path: str = "/metrics") -> tuple[int, dict[str, str], bytes]:
@@ -114,8 +112,8 @@ def test_a_published_state_is_rendered_only_when_asked_and_once(served):
 
 
 def test_a_scrape_after_a_cycle_gets_that_cycles_values():
-    """The whole agent, cycles driven by hand, read back over HTTP: on demand at first, then
-    eagerly once every cycle is scraped; either way each scrape shows the cycle just run."""
+    """The whole agent, cycles driven by hand, read back over HTTP: each scrape shows the cycle
+    just run, and a cycle nobody scrapes is never rendered."""
     from test_agent_isolation import simulated_node
 
     with simulated_node(default_scenario()) as node:
@@ -125,38 +123,13 @@ def test_a_scrape_after_a_cycle_gets_that_cycles_values():
             agent.run_cycle()
             status, body = fetch(agent.server.url + "/metrics")
             assert status == 200 and cycles_of(body) == agent.cycles
-        assert agent.expositions.eager_renders >= 1  # scraped every cycle: rendered on the sampler
         renders = agent.expositions.renders
-        for _ in range(4):  # nobody scrapes any more: at most the first of these is rendered
+        for _ in range(4):  # nobody scrapes any more: none of these is rendered
             agent.run_cycle()
-        assert agent.expositions.renders <= renders + 1
+        assert agent.expositions.renders == renders
         status, body = fetch(agent.server.url + "/metrics")
         assert status == 200 and cycles_of(body) == agent.cycles
         assert fetch(agent.server.url + "/readyz") == (200, b"ready\n")
-
-
-def test_eager_while_every_cycle_is_scraped_lazy_again_when_not():
-    od = OnDemand(Renderer())
-    try:
-        od.publish(RenderState(cycles=1))
-        od.request("openmetrics_gzipped").result(30)
-        od.publish(RenderState(cycles=2))  # the previous state was asked for once: still on demand
-        assert od.renders == 1
-        od.request("openmetrics_gzipped").result(30)
-        od.publish(RenderState(cycles=3))  # two in a row: scrapes keep up with cycles
-        assert od.renders == 3 and od.eager_renders == 1  # rendered by publish, before anyone asked
-        job = od.request("openmetrics_gzipped")
-        assert job.done()  # the form asked for last time was made on the sampler too
-        exp = job.result()
-        assert exp is not None and cycles_of(exp.body) == 3
-        od.publish(RenderState(cycles=4))  # still eager (state 3 was asked for)
-        for n in (5, 6, 7):  # nobody asks any more
-            od.publish(RenderState(cycles=n))
-        assert od.renders == 4 and od.eager_renders == 2
-        exp = od.current(30)
-        assert exp is not None and cycles_of(exp.body) == 7
-    finally:
-        od.close()
 
 
 # ------------------------------------------------------------------ sharing, and off the event loop
@@ -165,7 +138,7 @@ def test_eager_while_every_cycle_is_scraped_lazy_again_when_not():
 def test_concurrent_scrapes_share_one_render_and_other_requests_go_on(served):
     s, od, renderer = served
     od.publish(RenderState(cycles=1))
-    assert get(s)[0] == 200  # a first cycle rendered (and asked for): the next is on demand, not eager
+    assert get(s)[0] == 200  # a first cycle rendered
     od.publish(RenderState(cycles=2))
     renderer.gate.clear()
     renderer.entered.clear()
@@ -184,13 +157,12 @@ def test_concurrent_scrapes_share_one_render_and_other_requests_go_on(served):
     wait_until(lambda: busy(s) == 8, timeout=60, message="eight scrapes waiting for the render")
     # the render holds no one else up: the event loop answers while it is in flight
     assert get(s, path="/healthz")[:1] == (200,)
-    same_plain, same_gzip = od.request("body"), od.request("openmetrics_gzipped")
-    assert not same_plain.done() and od.request("body") is same_plain and od.request("openmetrics_gzipped") is same_gzip
+    assert od.cached("body") is None  # the new cycle is not served before it is rendered
     renderer.gate.set()
     for t in threads:
         t.join(60)
     assert len(results) == 8 and all(r[0] == 200 for r in results)
-    exp = od.current(30)
+    exp = od.exposition()
     assert exp is not None
     plain = [r[2] for r in results if "Content-Encoding" not in r[1]]
     zipped = [gzip.decompress(r[2]) for r in results if r[1].get("Content-Encoding") == "gzip"]
@@ -209,7 +181,7 @@ def test_a_scraper_that_leaves_does_not_cancel_the_render_others_wait_for(served
     first = threading.Thread(target=lambda: out.setdefault("plain", get(s)))
     first.start()  # its job renders (held at the gate)
     assert renderer.entered.wait(60)
-    # Two scrapes of another form share a second job, queued behind the render.
+    # Two scrapes of another form wait behind the render.
     leaver = socket.create_connection(("127.0.0.1", s.port), timeout=60)
     leaver.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: application/openmetrics-text\r\nAccept-Encoding: gzip\r\n\r\n")
     stayer = threading.Thread(target=lambda: out.setdefault("gzip", get(s, OM_GZIP)))

@@ -70,6 +70,7 @@ def test_every_flag_has_a_readme_row() -> None:
 VALUES = {
     "listen": "127.0.0.1:9999", "interval": "2.5", "backend": "nvml", "taint-mode": "shadow", "log-format": "json",
     "log-level": "debug", "call-timeout": "1.5", "per-process": "true", "pod-label-allowlist": "app,team",
+    "kubelet-device-health": "true",
     "exclude-metrics": "dra_claim_pods", "dcgm-compat-labels": "true", "taint-rate-limit": "3",
     "taint-hold-seconds": "60", "taint-settle-seconds": "5", "node-fault-window": "7",
     "hung-after": "10", "fault-clear-seconds": "600", "eviction-grace-seconds": "90", "stuck-reading-seconds": "900", "web-config-file": __file__, "node-name": "gpu-node-9",

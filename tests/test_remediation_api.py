@@ -230,12 +230,9 @@ def metric_samples(rig: Rig) -> Samples:
     agent.snapshot = join(JoinInputs(node=NODE, timestamp=rig.clock(), identities=tuple(rig.local), readings={},
                                      health=rig.health.all_health()))
     agent.publish()
-    try:
-        exposition = agent.expositions.current(timeout=60)
-        assert exposition is not None
-        return parse_samples(exposition.body.decode())
-    finally:
-        agent.expositions.close()  # not agent.stop(): the rig goes on with its remediator
+    exposition = agent.expositions.exposition()  # not agent.stop() after: the rig goes on with its remediator
+    assert exposition is not None
+    return parse_samples(exposition.body.decode())
 
 
 # ------------------------------------------------------------------------------ versions and schemas

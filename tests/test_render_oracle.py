@@ -77,6 +77,9 @@ def devices(draw):
                     row_remap_pending=maybe(st.booleans()),
                     recovery_action=maybe(st.sampled_from(list(RecoveryAction))),
                     sm_active_ratio=maybe(number),
+                    throttle_seconds=st.dictionaries(
+                        st.sampled_from(["power", "thermal", "total_app_clocks"]), number, max_size=3
+                    ),
                 ),
             )
         )
@@ -249,7 +252,7 @@ def test_vanished_series_and_families_are_dropped_at_once():
     assert 'claim="c2"' in a and "extra_total" in a
     b = r.render_families(fams([("c1", 5)], False)).body.decode()
     assert 'claim="c2"' not in b and "extra" not in b and '{claim="c1",namespace="ns",node="n"} 5.0' in b
-    assert [list(s) for s in r._series.values()] == [[("n", "ns", "c1")]]
+    assert [list(s) for s in r._prefixes.values()] == [[("n", "ns", "c1")]]
     c = r.render_families(fams([("c1", 5), ("c2", -0.0)], False)).body.decode()
     assert '{claim="c2",namespace="ns",node="n"} -0.0' in c
 

@@ -20,7 +20,11 @@ RELIST, RESTART = "dra_gpu_exporter_source_relists_total", "dra_gpu_exporter_sou
 def test_each_sources_requests_and_errors_are_self_metrics():
     with simulated_node(MIXED, pod_label_allowlist=("app",)) as n:
         m = n.scrape()
-        claims = {(a.claim_namespace, a.claim_name) for a in n.agent.found.get(n.agent.src.get("kubelet").slot).allocations if a.claim_name}
+        # the claims the agent reads: those on a GPU shared by consumable capacity (the others'
+        # devices the kubelet's answer and the slices resolve)
+        shared = {g.device_name for g in n.sc.gpus if g.consumable_shares}
+        allocations = n.agent.found.get(n.agent.src.get("kubelet").slot).allocations
+        claims = {(a.claim_namespace, a.claim_name) for a in allocations if a.claim_name and a.device in shared}
         assert claims
         assert m.value(REQ, source="kubelet", verb="list") == 2  # the start-up cycle's and this one's
         assert m.value(REQ, source="slices", verb="list") == 1 and m.value(REQ, source="slices", verb="watch") >= 1
@@ -49,8 +53,9 @@ def test_each_sources_requests_and_errors_are_self_metrics():
 
 
 def many_claims(claims: int = 64) -> dict:
-    gpus = [{"name": f"g{i}"} for i in range(8)]
-    cl = [{"namespace": "ns", "name": f"claim-{c}", "devices": [f"g{c % 8}"]} for c in range(claims)]
+    # eight claims on each GPU, by consumable capacity: the claims the agent reads (their consumed memory)
+    gpus = [{"name": f"g{i}", "consumable_shares": True} for i in range(8)]
+    cl = [{"namespace": "ns", "name": f"claim-{c}", "devices": [f"g{c % 8}"], "memory": "10Gi"} for c in range(claims)]
     pods = [{"namespace": "ns", "name": f"pod-{p}", "containers": [{"name": "main", "claims": [f"claim-{2 * p}", f"claim-{2 * p + 1}"]}]} for p in range(claims // 2)]
     return {"name": "many-claims", "node": "n-many", "gpus": gpus, "claims": cl, "pods": pods}
 

@@ -10,6 +10,7 @@ the integrated device energy.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Iterable
@@ -23,7 +24,16 @@ from exporter.devices.model import DeviceIdentity, DeviceReading, ReadError, Ven
 from exporter.health.model import DeviceHealth
 from exporter.metrics.render import Renderer, RenderState
 from exporter.model.snapshot import AllocationView, ClaimView, DeviceView, Snapshot
-from exporter.model.usage import EQUAL, PER_PROCESS, DeviceSplit, UsageAccountant, device_weights, mig_weight, split_devices
+from exporter.model.usage import (
+    CAPACITY,
+    EQUAL,
+    PER_PROCESS,
+    DeviceSplit,
+    UsageAccountant,
+    device_weights,
+    mig_weight,
+    split_devices,
+)
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -75,10 +85,13 @@ def claims_of(allocations: Iterable[AllocationView]) -> tuple[ClaimView, ...]:
     return tuple(ClaimView(ns, name, (), (), tuple(sorted(pods)), None, None, None, None, True) for (ns, name), pods in sorted(groups.items()))
 
 
-def snap(t: float, allocations: tuple[AllocationView, ...] = (), energy: dict[str, float | None] | None = None, devices: Iterable[DeviceIdentity] = IDENTS, missing: Iterable[str] = ()) -> Snapshot:
-    energy = energy or {}
-    views = tuple(view(i, energy.get(i.uuid), ok=i.uuid not in set(missing)) for i in devices)
-    return Snapshot(node="node", timestamp=t, devices=views, allocations=allocations, claims=claims_of(allocations))
+def snap(
+    t: float, allocations: tuple[AllocationView, ...] = (), energy: dict[str, float | None] | None = None,
+    devices: Iterable[DeviceIdentity] = IDENTS, missing: Iterable[str] = (), power: dict[str, float | None] | None = None,
+) -> Snapshot:
+    energy, power = energy or {}, power or {}
+    views = tuple(view(i, energy.get(i.uuid), ok=i.uuid not in set(missing), power=power.get(i.uuid, 300.0)) for i in devices)
+    return Snapshot(node="node", timestamp=t, monotonic=t, devices=views, allocations=allocations, claims=claims_of(allocations))
 
 
 def split_of(splits: tuple[DeviceSplit, ...], uuid: str) -> DeviceSplit:
@@ -127,6 +140,26 @@ def test_equal_split_between_claims_then_their_pods():
         (("web", "own"), ("web", "c")): pytest.approx(1 / 3), (None, ("old", "d")): pytest.approx(1 / 3),
     }
     assert s.time == s.usage
+
+
+def test_capacity_split_by_what_each_claim_consumed_then_its_pods():
+    """KEP-5075: claims on one device, each allocation stating its consumed memory (20 and 60 Gi):
+    usage, energy and device-time by those amounts, then equally between a claim's pods; a claim
+    that states none makes it equal again; measured per-process memory still wins for usage."""
+    allocs = (dra("ml", "a", "small", G0.uuid), dra("ml", "b", "small", G0.uuid), dra("web", "c", "big", G0.uuid))
+    base = snap(0, allocs)
+    consumed = {(G0.uuid, "ml", "small"): 20 * 2**30, (G0.uuid, "web", "big"): 60 * 2**30}
+    shared = dataclasses.replace(base, consumed=consumed)
+    s = split_of(split_devices(shared), G0.uuid)
+    assert s.rule == CAPACITY and s.time == s.usage
+    assert {(c, p): share for c, p, share in s.usage} == {
+        (("ml", "small"), ("ml", "a")): pytest.approx(1 / 8), (("ml", "small"), ("ml", "b")): pytest.approx(1 / 8),
+        (("web", "big"), ("web", "c")): pytest.approx(3 / 4),
+    }
+    partial = dataclasses.replace(base, consumed={(G0.uuid, "web", "big"): 60 * 2**30})
+    assert split_of(split_devices(partial), G0.uuid).rule == EQUAL
+    measured = split_of(split_devices(shared, {(G0.uuid, "ml", "a"): 2**30}), G0.uuid)
+    assert measured.rule == PER_PROCESS and measured.time == s.time
 
 
 def test_per_process_split_by_holder_pods_memory():
@@ -234,12 +267,46 @@ def test_a_clock_step_back_counts_no_time_and_the_last_holders_keep_the_interval
     assert u.claims.get(("ml", "first")) == (0.0, 20.0) and u.claims.get(("ml", "second")) == (0.0, 10.0)
 
 
+def test_a_wall_clock_step_moves_no_bill_and_no_retention():
+    # the wall clock steps +1 h, then +1 day, then -1 h; monotonic time runs on
+    acc = UsageAccountant(retention=600.0)
+    a = (dra("ml", "a", "train", G0.uuid),)
+    for t, wall, allocs in ((0, 0, a), (10, 3600, a), (20, 86_400, ()), (25, -3600, ())):
+        u = acc.update(dataclasses.replace(snap(t, allocs, {G0.uuid: 100.0 * t}), timestamp=1e9 + t + wall))
+    assert u.claims.get(("ml", "train")) == (2000.0, 20.0)  # still kept, 20 s held
+
+
 def test_gone_holders_are_capped_in_a_churn_storm():
-    acc = UsageAccountant(retention=600.0, max_gone=10)
+    # one cap in series, every kind together: 40 series are 10 claims and 10 pods (2 counters each)
+    acc = UsageAccountant(retention=600.0, max_series=40)
     for i in range(40):
         acc.update(snap(i, (dra("ns", f"pod-{i}", f"job-{i}", G0.uuid),)))
     u = acc.update(snap(41, ()))
     assert len(u.claims.keys) == 10 and ("ns", "job-39") in u.claims.keys and ("ns", "job-0") not in u.claims.keys
+    assert len(u.pods.keys) == 10 and ("ns", "pod-39") in u.pods.keys and ("ns", "pod-29") not in u.pods.keys
+    assert u.claims.get(("ns", "job-39")) == (0.0, 2.0)  # its final totals (seen at 39, gone at 41), kept
+
+
+def test_a_slow_counters_increase_goes_to_each_intervals_holders_by_its_power():
+    # Churn on one GPU: a new job every cycle (0.5 s), each drawing its own power, the energy
+    # counter re-read every 10 s (20 cycles) as the NVML backend does; the power reading is the
+    # average over the interval before it. Each job gets power x time held (the old rule gave a
+    # re-read's whole increase to the job of the cycle before it), and the jobs add up exactly.
+    acc, energy, mark, t, used = UsageAccountant(), 0.0, 0.0, 0.0, {}
+    watts = [100.0 + 37.0 * (i % 11) for i in range(200)]
+    for i in range(200):
+        if i:
+            energy += watts[i - 1] * 0.5  # job i-1 held the GPU since the cycle before, at its power
+            used[("batch", f"job-{i - 1}")] = watts[i - 1] * 0.5
+        mark = energy if i % 20 == 0 else mark  # re-read every 20 cycles; the last value between
+        power = {G0.uuid: watts[i - 1] if i else 0.0}
+        u = acc.update(snap(t, (dra("batch", f"pod-{i}", f"job-{i}", G0.uuid),), {G0.uuid: mark}, power=power))
+        t += 0.5
+    got = u.claims.as_dict()
+    settled = [k for k in used if int(k[1].split("-")[1]) < 180]  # re-read at cycle 180 covers these
+    assert settled and all(got[k][0] == pytest.approx(used[k], rel=0.05) for k in settled)
+    assert sum(j for j, _ in got.values()) == pytest.approx(sum(watts[:180]) * 0.5, rel=1e-12)
+    assert u.unattributed_joules == 0.0
 
 
 def test_claims_without_a_resolved_device_have_zero_counters():
@@ -279,7 +346,7 @@ HELD = [i for i in IDENTS]
 
 
 @st.composite
-def cycles(draw: st.DrawFn) -> list[tuple[float, tuple[AllocationView, ...], dict[str, float | None], set[str], dict[tuple[str, str, str], int] | None]]:
+def cycles(draw: st.DrawFn) -> list[tuple[float, tuple[AllocationView, ...], dict[str, float | None], set[str], dict[tuple[str, str, str], int] | None, dict[str, float | None]]]:
     out = []
     energy = {g.uuid: draw(st.floats(0, 1e6)) for g in PHYSICAL}
     t = draw(st.floats(0, 1e6))
@@ -300,10 +367,14 @@ def cycles(draw: st.DrawFn) -> list[tuple[float, tuple[AllocationView, ...], dic
             allocs = tuple(rows)
         last_allocs = allocs
         readings: dict[str, float | None] = {}
+        power: dict[str, float | None] = {}
         missing = set()
         for g in PHYSICAL:
-            kind = draw(st.sampled_from(["grow", "grow", "grow", "reset", "missing", "unsupported"]))
-            if kind == "grow":
+            kind = draw(st.sampled_from(["grow", "grow", "grow", "reset", "missing", "unsupported", "held", "held"]))
+            power[g.uuid] = draw(st.sampled_from([0.0, 60.0, 300.0, 700.0, None]))
+            if kind == "held":
+                pass  # not re-read (a slow counter): its intervals wait for the increase
+            elif kind == "grow":
                 energy[g.uuid] += draw(st.floats(0, 1e5))
             elif kind == "reset":
                 energy[g.uuid] = draw(st.floats(0, 1e3))
@@ -314,49 +385,69 @@ def cycles(draw: st.DrawFn) -> list[tuple[float, tuple[AllocationView, ...], dic
         memory = None
         if draw(st.booleans()):
             memory = {(d.uuid, ns, pod): draw(st.integers(0, 2**34)) for d in HELD for ns, pods in PODS.items() for pod in pods if draw(st.booleans())}
-        out.append((t, allocs, readings, missing, memory))
+        out.append((t, allocs, readings, missing, memory, power))
     return out
 
 
 class Reference:
-    """The billing rules done the slow, obvious way: every part of every split, every cycle."""
+    """The billing rules done the slow, obvious way: every part of every split, every cycle; each
+    energy increase split over the intervals since the counter last moved, by length x power."""
 
     def __init__(self) -> None:
         self.claims: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
         self.pods: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
         self.prev: tuple[float, tuple[DeviceSplit, ...]] | None = None
-        self.last: dict[str, tuple[float, list[DeviceSplit]]] = {}
+        # physical GPU -> its mark, the intervals since (holders' splits, length, length x power)
+        self.mark: dict[str, float] = {}
+        self.window: dict[str, list[tuple[list[DeviceSplit], float, float]]] = defaultdict(list)
+        self.holders: dict[str, list[DeviceSplit]] = defaultdict(list)  # of the last cycle
+        self.power: dict[str, float] = defaultdict(float)
         self.integrated = 0.0
         self.plugin_joules = 0.0
 
     def cycle(self, s: Snapshot, memory: dict[tuple[str, str, str], int] | None) -> None:
         splits = split_devices(s, memory)
-        if self.prev is not None and s.timestamp > self.prev[0]:
-            dt = s.timestamp - self.prev[0]
+        advance = self.prev is None or s.monotonic >= self.prev[0]
+        dt = s.monotonic - self.prev[0] if self.prev is not None and s.monotonic > self.prev[0] else 0.0
+        if dt > 0:
             for sp in self.prev[1]:
                 for claim, pod, share in sp.time:
                     if claim is not None:
                         self.claims[claim][1] += dt * sp.fraction * share
                     self.pods[pod][1] += dt * sp.fraction * share
-        self.prev = (s.timestamp, splits)
+        if advance:
+            self.prev = (s.monotonic, splits)
         for d in s.devices:
-            r = d.reading
-            if d.identity.is_partition or r is None or not r.ok or r.energy_joules is None:
+            r, uuid = d.reading, d.identity.uuid
+            if d.identity.is_partition:
                 continue
-            e, uuid = r.energy_joules, d.identity.uuid
-            last = self.last.get(uuid)
-            self.last[uuid] = (e, [sp for sp in splits if sp.gpu == uuid])
-            if last is None:
-                continue
-            delta = e - last[0] if e >= last[0] else e
-            self.integrated += delta
-            for sp in last[1]:
+            ok = r is not None and r.ok
+            if advance and ok and r.power_watts is not None:
+                self.power[uuid] = r.power_watts
+            if advance and dt > 0 and uuid in self.mark:
+                self.window[uuid].append((self.holders[uuid], dt, dt * self.power[uuid]))
+            e = r.energy_joules if ok else None
+            if e is not None and e != self.mark.get(uuid):
+                if uuid in self.mark:
+                    self.settle(uuid, e - self.mark[uuid] if e >= self.mark[uuid] else e)
+                self.mark[uuid], self.window[uuid] = e, []
+            if advance:
+                self.holders[uuid] = [sp for sp in splits if sp.gpu == uuid]
+
+    def settle(self, uuid: str, delta: float) -> None:
+        self.integrated += delta
+        window = self.window[uuid] or [(self.holders[uuid], 0.0, 0.0)]
+        col = 2 if sum(x[2] for x in window) > 0 else 1
+        total = sum(x[col] for x in window)
+        for entry in window:
+            part = delta * entry[col] / total if total > 0 else delta
+            for sp in entry[0]:
                 for claim, pod, share in sp.usage:
                     if claim is not None:
-                        self.claims[claim][0] += delta * sp.fraction * share
+                        self.claims[claim][0] += part * sp.fraction * share
                     else:
-                        self.plugin_joules += delta * sp.fraction * share
-                    self.pods[pod][0] += delta * sp.fraction * share
+                        self.plugin_joules += part * sp.fraction * share
+                    self.pods[pod][0] += part * sp.fraction * share
 
 
 def close(a: float, b: float) -> bool:
@@ -369,8 +460,8 @@ def test_counters_are_exact_monotonic_and_add_up_to_the_device_energy(seq):
     acc = UsageAccountant(retention=1e12)
     ref = Reference()
     before: dict[str, dict[tuple[str, str], tuple[float, float]]] = {"claims": {}, "pods": {}}
-    for t, allocs, readings, missing, memory in seq:
-        s = snap(t, allocs, readings, missing=missing)
+    for t, allocs, readings, missing, memory, power in seq:
+        s = snap(t, allocs, readings, missing=missing, power=power)
         u = acc.update(s, memory)
         ref.cycle(s, memory)
         # every held device's parts add up to the whole device, in both splits
@@ -382,7 +473,8 @@ def test_counters_are_exact_monotonic_and_add_up_to_the_device_energy(seq):
         assert all(f <= 1.0 + 1e-9 for f in per_gpu.values())
         for kind, totals, expected in (("claims", u.claims, ref.claims), ("pods", u.pods, ref.pods)):
             now = totals.as_dict()
-            assert list(totals.keys) == sorted(now)
+            # one series per key: the final ones' (oldest first), then the live ones' (sorted)
+            assert len(totals.keys) == len(now)
             for key, (joules, seconds) in now.items():
                 want = expected.get(key, [0.0, 0.0])
                 assert close(joules, want[0]) and close(seconds, want[1]), (kind, key, joules, seconds, want)

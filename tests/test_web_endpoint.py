@@ -16,7 +16,7 @@ import socket
 import subprocess
 
 import pytest
-from kit_helpers import wait_until
+from kit_helpers import publish, wait_until
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_families
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -42,7 +42,7 @@ def exposition(server: MetricsServer | None = None):
 @pytest.fixture
 def server():
     s = MetricsServer("127.0.0.1", 0, lambda: (True, "ready"), limits=Limits(max_connections=16, idle_timeout=1.0, header_timeout=1.0))
-    s.publish(exposition())
+    publish(s, exposition())
     s.start()
     try:
         yield s
@@ -86,7 +86,7 @@ def test_accept_and_accept_encoding_parsing():
 
 
 def test_formats_head_404_405_and_headers(server):
-    exp = server.current()
+    exp = server.source.exposition()
     status, h, body = request(server)
     assert (status, h["Content-Type"], body) == (200, CONTENT_TYPE, exp.body)
     assert h["Server"] == "dra-gpu-exporter"  # no Python, no version
@@ -111,8 +111,8 @@ def test_formats_head_404_405_and_headers(server):
 def test_both_formats_parse_and_pass_promtool(server):
     """The same cycle in both formats: prometheus_client's parsers accept each, with the same
     samples (OpenMetrics names counters without _total in the family, as the library does)."""
-    server.publish(exposition(server))
-    exp = server.current()
+    publish(server, exposition(server))
+    exp = server.source.exposition()
     text = {(s.name, tuple(sorted(s.labels.items())), s.value) for f in text_string_to_metric_families(exp.body.decode()) for s in f.samples}
     om = {(s.name, tuple(sorted(s.labels.items())), s.value) for f in om_families(exp.openmetrics.decode()) for s in f.samples}
     assert ("gpu_ecc_errors_total", (("node", "node-t"), ("type", "correctable"), ("uuid", UUID)), 3.0) in om
@@ -167,7 +167,7 @@ def test_ipv6_and_dual_stack():
         s = MetricsServer("::", 0, lambda: (True, "ready"))
     except OSError as e:
         pytest.skip(f"cannot bind [::]: {e}")
-    s.publish(exposition())
+    publish(s, exposition())
     s.start()
     try:
         assert s.url == f"http://[::1]:{s.port}"
@@ -241,18 +241,18 @@ def test_request_bodies_are_not_read_and_the_connection_closes(server):
 
 def test_a_scrapers_keep_alive_connection_outlives_an_idle_connection_flood():
     s = MetricsServer("127.0.0.1", 0, lambda: (True, "ready"), limits=Limits(max_connections=16, idle_timeout=120.0, header_timeout=120.0))
-    s.publish(exposition())
+    publish(s, exposition())
     s.start()
     scraper = http.client.HTTPConnection("127.0.0.1", s.port, timeout=20)
     socks = []
     try:
         scraper.request("GET", "/metrics")
-        assert scraper.getresponse().read() == s.current().body
+        assert scraper.getresponse().read() == s.source.exposition().body
         socks = [socket.create_connection(("127.0.0.1", s.port), timeout=20) for _ in range(64)]
         wait_until(lambda: s.stats().evicted >= 64 - 15, message="the flood evicting its own idle connections")
         scraper.request("GET", "/metrics")  # the same connection: it was not the one to go
         r = scraper.getresponse()
-        assert (r.status, r.read()) == (200, s.current().body)
+        assert (r.status, r.read()) == (200, s.source.exposition().body)
     finally:
         scraper.close()
         for x in socks:
@@ -272,7 +272,7 @@ def test_a_probe_that_blocks_fails_itself_and_nothing_else():
         return True, "ok"
 
     s = MetricsServer("127.0.0.1", 0, lambda: (True, "ready"), liveness=stuck)
-    s.publish(exposition())
+    publish(s, exposition())
     s.start()
     try:
         status, _, body = request(s, path="/healthz")

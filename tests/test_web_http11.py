@@ -13,8 +13,8 @@ from __future__ import annotations
 import socket
 
 import pytest
+from kit_helpers import publish
 
-from exporter.metrics.render import Renderer, RenderState
 from exporter.metrics.server import MetricsServer
 from exporter.metrics.web import Limits, head_problem
 
@@ -22,7 +22,7 @@ from exporter.metrics.web import Limits, head_problem
 @pytest.fixture(scope="module")
 def server():
     s = MetricsServer("127.0.0.1", 0, lambda: (True, "ready"), limits=Limits(max_connections=16, idle_timeout=2.0, header_timeout=2.0))
-    s.publish(Renderer().render(RenderState(cycles=1)))
+    publish(s)
     s.start()
     try:
         yield s
@@ -120,7 +120,7 @@ def test_pipelined_requests_are_answered_in_order_on_one_connection(server):
     raw = OK + b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n" + b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n" + b"GET /nothing HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
     responses, closed = exchange(server, raw, heads=(2,))
     assert [(r[0], r[2]) for r in responses] == [(200, b"ok\n"), (200, b"ready\n"), (200, b""), (404, b"not found\n")]
-    assert int(responses[2][1]["content-length"]) == len(server.current().body)  # HEAD: the length, no body
+    assert int(responses[2][1]["content-length"]) == len(server.source.exposition().body)  # HEAD: the length, no body
     assert closed and responses[3][1]["connection"] == "close"
     assert all("connection" not in r[1] for r in responses[:3])  # kept alive until asked to close
 

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 # part's business.
 SOURCES = {
     "DeviceCollector", "KubeletCollector", "SliceCollector", "ClaimCollector", "PodCollector", "ProcessCollector",
-    "PodResourcesClient", "SliceWatcher", "ClaimCache", "NodePods",
+    "PodResourcesClient", "SliceWatcher", "ClaimCache", "NodePods", "PodWatcher", "ReportedHealthCollector",
 }
 OUTPUTS = {
     "Agent", "HealthEngine", "StarvationMonitor", "Renderer", "UsageAccountant", "MetricsServer", "Remediator",

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import trustme
 import yaml
+from kit_helpers import publish
 
-from exporter.metrics.render import Renderer, RenderState
 from exporter.metrics.server import MetricsServer
 from exporter.metrics.webconfig import load_web_config
 
@@ -57,7 +57,7 @@ def web_config(tmp: Path, doc: dict) -> Path:
 
 def serve(path: Path) -> MetricsServer:
     s = MetricsServer("127.0.0.1", 0, lambda: (True, "ready"), web_config=load_web_config(str(path)))
-    s.publish(Renderer().render(RenderState(cycles=1)))
+    publish(s)
     s.start()
     return s
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 import sys
 import threading
 
+from kit_helpers import publish
+
 from exporter.logs import configure
-from exporter.metrics.render import Renderer, RenderState
+from exporter.metrics.render import RenderState
 from exporter.metrics.server import MetricsServer
 from exporter.metrics.webconfig import load_web_config
 
@@ -21,8 +23,7 @@ from exporter.metrics.webconfig import load_web_config
 def main() -> None:
     configure("json", "warning")
     server = MetricsServer("127.0.0.1", 0, lambda: (True, "ready"), web_config=load_web_config(sys.argv[1]))
-    renderer = Renderer()
-    server.publish(renderer.render(RenderState(cycles=1, http=server.stats())))
+    cache = publish(server, RenderState(cycles=1, http=server.stats()))
     server.start()
     done = threading.Event()
 
@@ -30,7 +31,7 @@ def main() -> None:
         n = 1
         while not done.wait(0.2):
             n += 1
-            server.publish(renderer.render(RenderState(cycles=n, http=server.stats())))
+            cache.publish(RenderState(cycles=n, http=server.stats()))
 
     threading.Thread(target=cycles, daemon=True).start()
     print(f"port {server.port}", flush=True)

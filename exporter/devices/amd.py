@@ -190,7 +190,8 @@ def assign_partitions(probes: list[GpuProbe]) -> tuple[list[DeviceIdentity], dic
         partitioned = len(members) > 1
         parent_uuid = probes_in[0].uuid if partitioned else ""
         mode = _group_mode(probes_in, "compute_partition") if partitioned else ""
-        pools = _memory_pools(probes_in, parent_uuid, _group_mode(probes_in, "memory_partition")) if partitioned else [""]
+        pools = _memory_pools(probes_in, parent_uuid,
+                              _group_mode(probes_in, "memory_partition")) if partitioned else [""]
         renamed: list[str] = []
         for pos, (parts, p) in enumerate(members):
             uuid = p.uuid

@@ -67,7 +67,8 @@ class DeviceCollector(Collector[DeviceScan]):
     # as it fails (the collector reports the failure; /readyz goes unready past three intervals).
     keep_for = float("inf")
 
-    def __init__(self, backend: DeviceBackend, health: HealthSink, starvation: Starvation, *, call_timeout: float, hung_after: float) -> None:
+    def __init__(self, backend: DeviceBackend, health: HealthSink, starvation: Starvation, *, call_timeout: float,
+                 hung_after: float) -> None:
         super().__init__(DEVICES)
         self.backend = backend
         self._health = health
@@ -115,7 +116,10 @@ class DeviceCollector(Collector[DeviceScan]):
         if long:
             out.append("hung device calls: " + ", ".join(f"{k} ({v:.0f}s)" for k, v in sorted(long.items())))
         if slow:
-            out.append(f"slow device calls (hung after {self.hung_after:g}s): " + ", ".join(f"{k} ({v:.0f}s)" for k, v in sorted(slow.items())))
+            out.append(
+                f"slow device calls (hung after {self.hung_after:g}s): "
+                + ", ".join(f"{k} ({v:.0f}s)" for k, v in sorted(slow.items()))
+            )
         return out
 
     # -- one cycle ---------------------------------------------------------------------------
@@ -137,7 +141,8 @@ class DeviceCollector(Collector[DeviceScan]):
         # Devices are read one after another, each under its own deadline, on one shared worker
         # until one hangs: that device then keeps a lane of its own, which fails fast while its
         # call is stuck, so a hung device costs one deadline, and only its own reads.
-        results = self.runner.call_each([(i.uuid, functools.partial(backend.read, i)) for i in idents], self.call_timeout)
+        results = self.runner.call_each([(i.uuid, functools.partial(backend.read, i)) for i in idents],
+                                        self.call_timeout)
         for ident, res in zip(idents, results, strict=True):
             if isinstance(res, CallHung):
                 readings[ident.uuid] = self._missed_deadline(ident.uuid, res)
@@ -152,7 +157,8 @@ class DeviceCollector(Collector[DeviceScan]):
             r = readings[ident.uuid]
             prev = self._readings.get(ident.uuid)
             if not r.ok and (prev is None or prev.ok or prev.error != r.error):
-                log.warning("device_unreadable", uuid=ident.uuid, error=r.error.value if r.error else "", detail=r.error_detail)
+                log.warning("device_unreadable", uuid=ident.uuid, error=r.error.value if r.error else "",
+                            detail=r.error_detail)
             elif r.ok and prev is not None and not prev.ok:
                 log.info("device_readable_again", uuid=ident.uuid)
         self._readings = readings
@@ -167,7 +173,8 @@ class DeviceCollector(Collector[DeviceScan]):
         hung_after = self.hung_after
         starved = self._starvation.state()
         if e.running_for is not None and e.running_for >= hung_after and not starved.starved:
-            return DeviceReading.failed(uuid, ReadError.TIMEOUT, f"{e}; stuck for {e.running_for:.1f}s (hung after {hung_after:g}s)")
+            return DeviceReading.failed(uuid, ReadError.TIMEOUT,
+                                        f"{e}; stuck for {e.running_for:.1f}s (hung after {hung_after:g}s)")
         if starved.starved:
             why = f"the agent is starved of CPU ({starved.reason})"
         elif e.running_for is None:

@@ -210,7 +210,8 @@ class DeadlineRunner:
             return fut.result(timeout=timeout)
         except FutureTimeout:
             running = _running_for(ln)
-            what = f"exceeded its {timeout:.3g}s deadline" if running is not None else f"did not start within its {timeout:.3g}s deadline"
+            what = (f"exceeded its {timeout:.3g}s deadline" if running is not None
+                    else f"did not start within its {timeout:.3g}s deadline")
             raise CallHung(lane, ln.started, f"call on {lane} {what}", running_for=running) from None
 
     def wait(self, lane: str, timeout: float) -> bool:

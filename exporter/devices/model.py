@@ -155,6 +155,7 @@ class DeviceReading:
     row_remap_failure: bool | None = None
     pcie_replay_total: int | None = None
     recovery_action: RecoveryAction | None = None
+    throttle_seconds: dict[str, float] = field(default_factory=dict)  # reason -> seconds clocks held down
 
     # GPM (Hopper+) / AMD activity counters, 0..1
     sm_active_ratio: float | None = None

@@ -28,7 +28,8 @@ def make_backend(kind: str) -> DeviceBackend:
                 kind = "amdsmi"
             else:
                 raise BackendUnavailable(
-                    "no GPU library found: libnvidia-ml.so.1 (NVIDIA driver) and libamd_smi.so (ROCm) are both missing; "
+                    "no GPU library found: libnvidia-ml.so.1 (NVIDIA driver) and libamd_smi.so (ROCm) are both "
+                    "missing; "
                     "mount the driver libraries into the container, or run `dra-gpu-exporter demo` for a simulated node"
                 )
     if kind == "nvml":
@@ -39,4 +40,5 @@ def make_backend(kind: str) -> DeviceBackend:
         from .amd import AmdSmiBackend
 
         return AmdSmiBackend()
-    raise BackendUnavailable(f"backend {kind!r} cannot be used here (the simulated backend runs under `dra-gpu-exporter demo`)")
+    raise BackendUnavailable(f"backend {kind!r} cannot be used here (the simulated backend runs under "
+                             "`dra-gpu-exporter demo`)")

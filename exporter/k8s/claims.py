@@ -3,22 +3,21 @@
 Why GETs instead of a watch: ResourceClaims are namespaced and can be numerous cluster-wide,
 and no field selector narrows them to a node (``status.allocation.nodeSelector`` is not a
 selectable field). A watch would stream every claim of the cluster to every GPU node. The
-agent only needs the few claims the kubelet reports for its own pods, so it fetches exactly
-those, once each:
+agent needs few claims even of its own pods (the kubelet names their devices, the slices resolve
+them): only those its caller asks for (the claims collector: exporter.model.inputs.NeededClaims;
+the eviction look-up: a pod that outstays a NoExecute taint), once each:
 
-* a claim is fetched when it first appears on the node (the first cycle fetches all of them
-  concurrently, a few at a time) and then kept while the node's pods hold it: an allocated
-  claim's devices do not change (a new allocation is a new claim for a new pod). ``ttl``
-  (default: never) re-reads it anyway where a caller wants that;
+* a claim is fetched when it is first asked for (many at once: concurrently, a few at a time)
+  and then kept while the node's pods hold it: an allocated claim's devices do not change (a
+  new allocation is a new claim for a new pod). ``ttl`` (default: never) re-reads it anyway
+  where a caller wants that;
 * a claim not found or not allocated yet is asked again after ``negative_ttl``;
 * every GET carries ``resourceVersion=0``: the API server answers from its watch cache instead
   of a quorum read from etcd.
 
-So in steady state (no allocation changes) the cache makes no request at all. The claim is a
-fallback source anyway (for devices that left the ResourceSlice, and for
-``status.devices[].data``). When the API is down, the last good copy keeps being served, flagged
-``stale``, and fetching pauses with a backoff so a black-holed API server does not stall every
-collection cycle.
+So in steady state (no allocation changes) the cache makes no request at all. When the API is
+down, the last good copy keeps being served, flagged ``stale``, and fetching pauses with a
+backoff so a black-holed API server does not stall every collection cycle.
 """
 
 from __future__ import annotations
@@ -272,7 +271,12 @@ class ClaimCache:
                 with self._lock:
                     self._answered += 1
                 if exc.status == 404:
-                    if self._forced_version is None and not self._group_version_still_served(version):
+                    # The API server's answer for a missing object names it (a Status whose
+                    # details.kind is the resource): the claim is gone, most often deleted with its
+                    # pod. Only a 404 that does not (a path no longer served) asks discovery.
+                    details = (exc.body or {}).get("details") or {}
+                    gone = isinstance(details, dict) and details.get("kind") == RESOURCE
+                    if not gone and self._forced_version is None and not self._group_version_still_served(version):
                         self._outage(keys[i:], f"{RESOURCE_GROUP}/{version} no longer served", None)
                         return
                     self._store(key, None, self.negative_ttl, error="not found")

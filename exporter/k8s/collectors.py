@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from ..collect import Collector, Degraded, Gathered, Slot, SourceStats
 from ..devices.deadline import CallHung, DeadlineRunner
@@ -38,6 +38,7 @@ PODS: Slot[tuple[PodInfo, ...]] = Slot("pods")
 FIRST_FETCH_LIMIT = 60.0
 
 
+@runtime_checkable
 class WatchStatsView(Protocol):
     lists: int
     watches: int
@@ -139,7 +140,7 @@ class SliceCollector(Collector[Mapping[DeviceKey, SliceDevice]]):
 
 
 class ClaimCollector(Collector[Mapping[ClaimKey, ClaimInfo]]):
-    """``wanted(found)`` names the claims to hold this cycle (the kubelet's claim references)."""
+    """``wanted(found)`` names the claims to hold this cycle (exporter.model.inputs.NeededClaims)."""
 
     def __init__(self, cache: ClaimSource, wanted: Callable[[Gathered], list[ClaimKey]], deadline: float) -> None:
         super().__init__(CLAIMS)
@@ -224,4 +225,6 @@ class PodCollector(Collector[tuple[PodInfo, ...]]):
 
     def stats(self) -> SourceStats:
         s = self.pods.stats
+        if isinstance(s, WatchStatsView):  # the pod watch of --kubelet-device-health, shared
+            return watch_stats(s)
         return SourceStats(requests={"list": s.lists}, errors=s.errors, malformed=s.malformed_skipped)

@@ -118,7 +118,8 @@ class ResponseTooLarge(ApiUnavailable):
 
 
 def _too_large(what: str, limit: int) -> ResponseTooLarge:
-    return ResponseTooLarge(status=0, reason="ResponseTooLarge", message=f"{what} exceeds {limit} bytes; connection dropped")
+    return ResponseTooLarge(status=0, reason="ResponseTooLarge",
+                            message=f"{what} exceeds {limit} bytes; connection dropped")
 
 
 def _drop(raw: Any) -> None:
@@ -212,7 +213,8 @@ def _load_kubeconfig(path: str, cfg: k8s_client.Configuration, what: str) -> Non
         raise KubeconfigError(f"{what} {path}: file does not exist")
     try:
         # kubernetes ships py.typed, but its config loaders have no annotations
-        k8s_config.load_kube_config(config_file=path, client_configuration=cfg, persist_config=False)  # type: ignore[no-untyped-call]
+        k8s_config.load_kube_config(config_file=path, client_configuration=cfg,
+                                    persist_config=False)  # type: ignore[no-untyped-call]
     except Exception as exc:  # ConfigException, YAML errors, bad base64 ... all mean "unusable"
         raise KubeconfigError(f"{what} {path}: {one_line(exc)}") from exc
     if not cfg.host:
@@ -320,13 +322,16 @@ def request_json(
     try:
         decoded = json.loads(data)
     except ValueError as exc:
-        raise ApiError(status=resp.status, reason="BadResponse", message=f"response is not JSON: {one_line(exc)}") from exc
+        raise ApiError(status=resp.status, reason="BadResponse",
+                       message=f"response is not JSON: {one_line(exc)}") from exc
     if not isinstance(decoded, dict):
-        raise ApiError(status=resp.status, reason="BadResponse", message=f"expected a JSON object, got {type(decoded).__name__}")
+        raise ApiError(status=resp.status, reason="BadResponse",
+                       message=f"expected a JSON object, got {type(decoded).__name__}")
     return decoded
 
 
-def get_json(client: ApiClient, path: str, query: Query = None, timeout: Timeout = DEFAULT_TIMEOUT, max_bytes: int | None = None) -> dict[str, Any]:
+def get_json(client: ApiClient, path: str, query: Query = None, timeout: Timeout = DEFAULT_TIMEOUT,
+             max_bytes: int | None = None) -> dict[str, Any]:
     """GET ``path`` and return the decoded JSON object (bounded like :func:`request_json`)."""
     return request_json(client, "GET", path, query=query, timeout=timeout, max_bytes=max_bytes)
 
@@ -427,7 +432,8 @@ def _decode_event(line: bytes) -> dict[str, Any]:
     return event
 
 
-def stream_watch(client: ApiClient, path: str, query: Query = None, timeout: float = 300.0, max_line: int | None = None) -> WatchStream:
+def stream_watch(client: ApiClient, path: str, query: Query = None, timeout: float = 300.0,
+                 max_line: int | None = None) -> WatchStream:
     """Open a watch on ``path`` (a collection URL) and return the event stream.
 
     ``watch=true`` is added, and ``timeoutSeconds=timeout`` unless the query sets it, so the

@@ -60,7 +60,8 @@ def served_versions(client: ApiClient, group: str = RESOURCE_GROUP) -> list[str]
     return out
 
 
-def pick_version(served: Sequence[str], supported_in_preference_order: Sequence[str] = DEFAULT_PREFERENCE) -> str | None:
+def pick_version(served: Sequence[str],
+                 supported_in_preference_order: Sequence[str] = DEFAULT_PREFERENCE) -> str | None:
     """The first supported version that is served, or ``None``."""
     served_set = set(served)
     return next((v for v in supported_in_preference_order if v in served_set), None)

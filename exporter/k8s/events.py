@@ -43,7 +43,8 @@ def _name_ns(now: float) -> int:
 
 
 def build_event(
-    *, regarding: Mapping[str, str], reason: str, note: str, action: str, type_: str, node: str, now: float, namespace: str = "default"
+    *, regarding: Mapping[str, str], reason: str, note: str, action: str, type_: str, node: str, now: float,
+    namespace: str = "default"
 ) -> dict[str, Any]:
     name = f"{regarding.get('name', 'object')}.{_name_ns(now):x}"[:253]
     return {
@@ -69,12 +70,16 @@ class EventRecorder:
         self.failed = 0
         self._lock = threading.Lock()
 
-    def record(self, regarding: Mapping[str, str], reason: str, note: str, action: str, warning: bool = False) -> dict[str, Any] | None:
+    def record(self, regarding: Mapping[str, str], reason: str, note: str, action: str,
+               warning: bool = False) -> dict[str, Any] | None:
         namespace = regarding.get("namespace") or "default"
-        ev = build_event(regarding=regarding, reason=reason, note=note, action=action, type_="Warning" if warning else "Normal", node=self.node,
+        ev = build_event(regarding=regarding, reason=reason, note=note, action=action,
+                         type_="Warning" if warning else "Normal", node=self.node,
                          now=self.clock.wall(), namespace=namespace)
         try:
-            out = request_json(self.client, "POST", f"/apis/events.k8s.io/v1/namespaces/{quote(namespace, safe='')}/events", body=ev, timeout=API_TIMEOUT)
+            out = request_json(self.client, "POST",
+                               f"/apis/events.k8s.io/v1/namespaces/{quote(namespace, safe='')}/events", body=ev,
+                               timeout=API_TIMEOUT)
         except ApiError as e:
             with self._lock:
                 self.failed += 1

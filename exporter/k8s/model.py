@@ -7,10 +7,20 @@ nested under ``basic``); parsers turn each into these types so nothing downstrea
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 AttributeValue = str | int | bool
 DeviceKey = tuple[str, str, str]  # (driver, pool, device): a DRA device as a ResourceSlice publishes it
+
+
+@dataclass(frozen=True)
+class DeviceTaint:
+    """A taint the driver put on a device in its ResourceSlice (KEP-5055 ``Device.taints``).
+    ``timeAdded`` is left out: nothing here reads it, and it would only make equal taints differ."""
+
+    key: str
+    value: str
+    effect: str  # NoSchedule | NoExecute | None (an unknown effect is kept as written)
 
 
 @dataclass(frozen=True)
@@ -25,6 +35,11 @@ class SliceDevice:
     capacity: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
     slice_name: str = ""
     pool_generation: int = 0
+    # allowMultipleAllocations (KEP-5075 consumable capacity): several claims may hold the device,
+    # each consuming part of its capacity (NVIDIA's ConsumableShares publishes ``memory`` so)
+    multiple: bool = field(default=False, compare=False)
+    # compared: a changed taint is a changed device (the join re-derives what it publishes)
+    taints: tuple[DeviceTaint, ...] = ()
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -73,6 +88,9 @@ class AllocatedDevice:
     data: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     # the request's tolerations, copied by the scheduler into the result when it allocated
     tolerations: tuple[DeviceToleration, ...] = ()
+    # consumedCapacity of a device that allows multiple allocations: qualified capacity name ->
+    # the amount this claim consumed (bytes for memory), as a number
+    consumed: dict[str, float] = field(default_factory=dict, hash=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -102,6 +120,18 @@ class OwnerRef:
     uid: str
 
 
+class ReportedHealth(NamedTuple):
+    """One device's health as the kubelet wrote it into a container's status (KEP-4680
+    ``allocatedResourcesStatus``), for a DRA claim. ``resource_id`` is the kubelet's: the
+    device's first CDI device id when its driver returned any, else ``<driver>/<pool>/<device>``
+    (kubelet pkg/kubelet/cm/dra/manager.go, buildResourceHealth)."""
+
+    claim: str  # the ResourceClaim's name ("" when the pod does not say which)
+    request: str  # "" when the container names the whole claim
+    resource_id: str
+    health: str  # Healthy | Unhealthy | Unknown
+
+
 @dataclass(frozen=True)
 class PodInfo:
     namespace: str
@@ -119,3 +149,4 @@ class PodInfo:
     controller: OwnerRef | None = None
     created_at: float | None = None  # metadata.creationTimestamp (unix seconds)
     deleting_at: float | None = None  # metadata.deletionTimestamp: set while the pod terminates
+    reported: tuple[ReportedHealth, ...] = ()  # the kubelet's health of the pod's DRA devices

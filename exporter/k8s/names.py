@@ -47,6 +47,11 @@ def rule_name(node: str, driver: str, pool: str, device: str) -> str:
     return f"{NAME_PREFIX}{body[:room].rstrip('-.')}-{digest}"
 
 
+def taint_key(tier: str) -> str:
+    """The key of this agent's taints: one per tier."""
+    return f"{TAINT_DOMAIN}/{tier}"
+
+
 def label_value(s: str) -> str:
     """Squeeze ``s`` into a valid label value (<= 63 chars, alphanumeric ends)."""
     v = re.sub(r"[^A-Za-z0-9_.-]+", "_", s)[:63]

@@ -80,7 +80,8 @@ class NodeState:
 
     def save(self, deleted: dict[DeviceKey, Deletion], _tries: int = 3) -> bool:
         """Write the set if it changed. False when nothing had to be written."""
-        data: dict[str, _StoredDeletion] = {"/".join(k): {"at": round(v.at, 3), "reason": v.reason} for k, v in sorted(deleted.items())}
+        data: dict[str, _StoredDeletion] = {"/".join(k): {"at": round(v.at, 3),
+                                                          "reason": v.reason} for k, v in sorted(deleted.items())}
         if data == self._written:
             return False
         body: dict[str, Any] = {

@@ -25,11 +25,22 @@ nothing else, so the watcher can log the object, count it and carry on.
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .model import AllocatedDevice, AttributeValue, ClaimInfo, DeviceToleration, OwnerRef, PodInfo, SliceDevice
+from .model import (
+    AllocatedDevice,
+    AttributeValue,
+    ClaimInfo,
+    DeviceTaint,
+    DeviceToleration,
+    OwnerRef,
+    PodInfo,
+    ReportedHealth,
+    SliceDevice,
+)
 
 T = TypeVar("T")
 
@@ -44,6 +55,7 @@ __all__ = [
     "parse_slice",
     "parse_slice_full",
     "qualify",
+    "quantity_value",
     "version_of",
 ]
 
@@ -152,6 +164,16 @@ def _tolerations(value: Any, where: str) -> tuple[DeviceToleration, ...]:
     return tuple(out)
 
 
+def _taints(value: Any, where: str) -> tuple[DeviceTaint, ...]:
+    out = []
+    for i, raw in enumerate(_list(value, where)):
+        t = _dict(raw, f"{where}[{i}]")
+        out.append(DeviceTaint(_str(t.get("key"), f"{where}[{i}].key"),
+                               _str(t.get("value"), f"{where}[{i}].value", required=False),
+                               _str(t.get("effect"), f"{where}[{i}].effect")))
+    return tuple(out)
+
+
 def _only_parse_errors(kind: str, parse: Callable[..., T], *args: Any) -> T:
     """Run a parser; anything but ParseError becomes one (belt and braces: callers catch only
     ParseError, and a surprise in outside input must not kill a watcher)."""
@@ -231,6 +253,20 @@ def _quantity(value: Any, where: str) -> str:
     raise ParseError(f"{where}.value: expected a quantity string, got {type(q).__name__}")
 
 
+_QUANTITY = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:([eE][+-]?\d+)|(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?)$")
+_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60, "n": 1e-9, "u": 1e-6,
+           "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+
+
+def quantity_value(text: str) -> float | None:
+    """A resource.Quantity string ("20Gi", "1500m", "1e3") as a number; None when it is not one."""
+    m = _QUANTITY.match(text.strip())
+    if m is None:
+        return None
+    number, exponent, suffix = m.groups()
+    return float(number + (exponent or "")) * _SUFFIX.get(suffix or "", 1)
+
+
 # --------------------------------------------------------------------------- ResourceSlice
 
 
@@ -289,6 +325,10 @@ def _parse_slice(obj: Any, api_version: str) -> ParsedSlice:
                 capacity=capacity,
                 slice_name=slice_name,
                 pool_generation=generation,
+                # (under basic in v1beta1, like attributes and capacity)
+                multiple=_bool(body.get("allowMultipleAllocations"), f"{dwhere}.allowMultipleAllocations"),
+                # v1 and v1beta2: on the device; v1beta1: under basic, with the attributes
+                taints=_taints(body.get("taints"), f"{dwhere}.taints"),
             )
         )
     return ParsedSlice(
@@ -345,6 +385,12 @@ def _parse_claim(obj: Any) -> ClaimInfo:
         pool = _str(res.get("pool"), f"{rwhere}.pool")
         device = _str(res.get("device"), f"{rwhere}.device")
         share_id = _str(res.get("shareID"), f"{rwhere}.shareID", required=False)
+        consumed: dict[str, float] = {}
+        for cname, q in _dict(res.get("consumedCapacity"), f"{rwhere}.consumedCapacity", required=False).items():
+            amount = quantity_value(q) if isinstance(q, str) else None
+            if amount is None:
+                raise ParseError(f"{rwhere}.consumedCapacity[{cname}]: expected a quantity, got {str(q)[:40]!r}")
+            consumed[qualify(str(cname), driver)] = amount
         devices.append(
             AllocatedDevice(
                 request=_str(res.get("request"), f"{rwhere}.request", required=False),
@@ -355,6 +401,7 @@ def _parse_claim(obj: Any) -> ClaimInfo:
                 admin_access=_bool(res.get("adminAccess"), f"{rwhere}.adminAccess"),
                 data=data_by_key.get((driver, pool, device, share_id), {}),
                 tolerations=_tolerations(res.get("tolerations"), f"{rwhere}.tolerations"),
+                consumed=consumed,
             )
         )
 
@@ -383,7 +430,7 @@ def _parse_claim(obj: Any) -> ClaimInfo:
 # --------------------------------------------------------------------------- Pod
 
 
-def parse_pod(obj: Any) -> PodInfo:
+def parse_pod(obj: Any, *, reported: bool = False) -> PodInfo:
     """Parse a core/v1 Pod. Raises :class:`ParseError` only.
 
     ``claims`` are the names of the ResourceClaims the pod holds in its namespace: direct
@@ -392,12 +439,13 @@ def parse_pod(obj: Any) -> PodInfo:
     exists) and the DRA extended-resource claim from ``status.extendedResourceClaimStatus``
     (also kept on its own, ``extended_claim``: NoExecute does not evict a pod for that claim's
     devices, kubernetes/kubernetes#141290). The controller, creation and deletion times serve the
-    remediator's account of pods that outstay a NoExecute taint.
+    remediator's account of pods that outstay a NoExecute taint. ``reported``: also the kubelet's
+    device health (``--kubelet-device-health``; otherwise that part of the status is not read).
     """
-    return _only_parse_errors("pod", _parse_pod, obj)
+    return _only_parse_errors("pod", _parse_pod, obj, reported)
 
 
-def _parse_pod(obj: Any) -> PodInfo:
+def _parse_pod(obj: Any, reported: bool = False) -> PodInfo:
     obj, name, namespace, uid, where = _namespaced_meta(obj, "pod")
     spec = _dict(obj.get("spec"), f"{where}: spec", required=False)
     status = _dict(obj.get("status"), f"{where}: status", required=False)
@@ -405,20 +453,26 @@ def _parse_pod(obj: Any) -> PodInfo:
     phase = _str(status.get("phase"), f"{where}: status.phase", required=False)
 
     claims: list[str] = []
+    named: dict[str, str] = {}  # the pod's name for a claim (spec.resourceClaims[].name) -> the claim's
 
-    def add(claim: Any, at: str) -> None:
+    def add(claim: Any, at: str, ref: Any = None) -> None:
         claim_name = _str(claim, at, required=False)
         if claim_name and claim_name not in claims:
             claims.append(claim_name)
+        if claim_name and isinstance(ref, str):
+            named[ref] = claim_name
 
     for i, rc in enumerate(_list(spec.get("resourceClaims"), f"{where}: spec.resourceClaims")):
         rc = _dict(rc, f"{where}: spec.resourceClaims[{i}]")
-        add(rc.get("resourceClaimName"), f"{where}: spec.resourceClaims[{i}].resourceClaimName")
+        add(rc.get("resourceClaimName"), f"{where}: spec.resourceClaims[{i}].resourceClaimName", rc.get("name"))
     for i, rcs in enumerate(_list(status.get("resourceClaimStatuses"), f"{where}: status.resourceClaimStatuses")):
-        rcs = _dict(rcs, f"{where}: status.resourceClaimStatuses[{i}]")
-        add(rcs.get("resourceClaimName"), f"{where}: status.resourceClaimStatuses[{i}].resourceClaimName")
-    ext = _dict(status.get("extendedResourceClaimStatus"), f"{where}: status.extendedResourceClaimStatus", required=False)
-    extended = _str(ext.get("resourceClaimName"), f"{where}: status.extendedResourceClaimStatus.resourceClaimName", required=False)
+        at = f"{where}: status.resourceClaimStatuses[{i}]"
+        rcs = _dict(rcs, at)
+        add(rcs.get("resourceClaimName"), f"{at}.resourceClaimName", rcs.get("name"))
+    ext = _dict(status.get("extendedResourceClaimStatus"), f"{where}: status.extendedResourceClaimStatus",
+                required=False)
+    extended = _str(ext.get("resourceClaimName"), f"{where}: status.extendedResourceClaimStatus.resourceClaimName",
+                    required=False)
     add(extended, f"{where}: status.extendedResourceClaimStatus.resourceClaimName")
 
     meta = obj["metadata"]
@@ -436,9 +490,34 @@ def _parse_pod(obj: Any) -> PodInfo:
         node_name=node_name,
         phase=phase,
         claims=tuple(claims),
-        labels={str(k): str(v) for k, v in _dict(meta.get("labels"), f"{where}: metadata.labels", required=False).items()},
+        labels={str(k): str(v) for k, v in _dict(meta.get("labels"), f"{where}: metadata.labels",
+                                                 required=False).items()},
         extended_claim=extended,
         controller=controller,
         created_at=_time(meta.get("creationTimestamp"), f"{where}: metadata.creationTimestamp"),
         deleting_at=_time(meta.get("deletionTimestamp"), f"{where}: metadata.deletionTimestamp"),
+        reported=_reported_health(status, named, where) if reported else (),
     )
+
+
+def _reported_health(status: dict[str, Any], named: dict[str, str], where: str) -> tuple[ReportedHealth, ...]:
+    """The kubelet's KEP-4680 health of the pod's DRA devices: ``status.containerStatuses[]
+    .allocatedResourcesStatus[]``, whose ``name`` is ``claim:<pod's claim name>`` or
+    ``claim:<name>/<request>`` for a DRA claim (kubelet pkg/kubelet/cm/dra/manager.go,
+    UpdateAllocatedResourcesStatus); device-plugin entries (a resource name) are not read."""
+    out: list[ReportedHealth] = []
+    for i, cs in enumerate(_list(status.get("containerStatuses"), f"{where}: status.containerStatuses")):
+        cs = _dict(cs, f"{where}: status.containerStatuses[{i}]")
+        at = f"{where}: status.containerStatuses[{i}].allocatedResourcesStatus"
+        for j, rs in enumerate(_list(cs.get("allocatedResourcesStatus"), at)):
+            rs = _dict(rs, f"{at}[{j}]")
+            ref, _, request = _str(rs.get("name"), f"{at}[{j}].name").partition("/")
+            if not ref.startswith("claim:"):
+                continue
+            claim = named.get(ref[len("claim:"):], "")
+            for k, rh in enumerate(_list(rs.get("resources"), f"{at}[{j}].resources")):
+                rat = f"{at}[{j}].resources[{k}]"
+                rh = _dict(rh, rat)
+                health = _str(rh.get("health"), f"{rat}.health", required=False) or "Unknown"
+                out.append(ReportedHealth(claim, request, _str(rh.get("resourceID"), f"{rat}.resourceID"), health))
+    return tuple(out)

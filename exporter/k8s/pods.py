@@ -181,7 +181,8 @@ class PodFacts:
     def pod(self, namespace: str, name: str) -> PodInfo | None:
         """The pod, or None when it no longer exists. Raises ApiError (non-404) and ParseError."""
         try:
-            obj = get_json(self._client, f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}", {"resourceVersion": "0"})
+            obj = get_json(self._client, f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}",
+                           {"resourceVersion": "0"})
         except ApiError as e:
             if e.status == 404:
                 return None

@@ -94,8 +94,7 @@ class TaintRule:
         return out
 
     def taint(self) -> dict[str, str]:
-        key = f"{names.TAINT_DOMAIN}/{self.tier}"
-        return {"key": key, "value": names.label_value(self.reason), "effect": self.effect}
+        return {"key": names.taint_key(self.tier), "value": names.label_value(self.reason), "effect": self.effect}
 
 
 def parse_time(value: str) -> float | None:
@@ -234,9 +233,9 @@ class TaintRuleClient:
 
     def create_rule(self, rule: TaintRule) -> TaintRule:
         """Create ``rule`` (name, selector, taint, labels and every annotation it records)."""
-        annotations = {names.UUID_ANNOTATION: rule.uuid, names.GPU_ANNOTATION: rule.gpu,
-                       names.SCOPE_ANNOTATION: rule.scope, names.FIRST_SEEN_ANNOTATION: micro_time(rule.first_seen or 0.0),
-                       **rule.fault_annotations()}
+        seen = micro_time(rule.first_seen or 0.0)
+        annotations = {names.UUID_ANNOTATION: rule.uuid, names.GPU_ANNOTATION: rule.gpu, names.SCOPE_ANNOTATION: rule.scope,
+                       names.FIRST_SEEN_ANNOTATION: seen, **rule.fault_annotations()}
         taint = rule.taint()
         body = self.body(rule.name, rule.driver, rule.pool, rule.device, taint["key"], taint["value"], rule.effect,
                          rule.labels(rule.sticky), annotations)

@@ -14,7 +14,7 @@
 Every request carries a field or label selector naming this node (or one object), so at rest an
 agent costs the API server one open watch per reflector and nothing else, whatever the size of
 the cluster. :class:`Reflector` is generic; :class:`exporter.k8s.slices.SliceWatcher`,
-:class:`NodeWatch` and :class:`OwnedRuleWatch` are its uses.
+:class:`NodeWatch`, :class:`OwnedRuleWatch` and :class:`exporter.k8s.podhealth.PodWatcher` are its uses.
 """
 
 from __future__ import annotations
@@ -137,6 +137,10 @@ class Reflector(Generic[T]):
     def _page_size(self) -> int:
         return LIST_PAGE_SIZE
 
+    def _key_of(self, obj: Any) -> str:
+        """The object's key in the state ("" for none): its name (cluster-scoped, or one namespace)."""
+        return _name_of(obj)
+
     # ------------------------------------------------------------------ public
 
     def start(self) -> None:
@@ -192,7 +196,8 @@ class Reflector(Generic[T]):
             try:
                 version = self._ensure_version()
                 if version is None:
-                    self._fail(f"{self.group} serves no version with {self.resource} (supported: {', '.join(self._preference)})")
+                    self._fail(f"{self.group} serves no version with {self.resource} (supported: "
+                               f"{', '.join(self._preference)})")
                     continue
                 if need_list:
                     self._list(version)
@@ -239,7 +244,8 @@ class Reflector(Generic[T]):
             repeated = self._last_error == message
             self._last_error = message
         # The same failure again (an outage, an oversized answer) is one line, not one per retry.
-        (log.debug if repeated else log.warning)("watch_error", kind=self.kind, node=self.label, error=message, retry_in=round(delay, 2))
+        (log.debug if repeated else log.warning)("watch_error", kind=self.kind, node=self.label, error=message,
+                                                 retry_in=round(delay, 2))
         self._sleep(delay)
 
     def _ensure_version(self) -> str | None:
@@ -288,7 +294,7 @@ class Reflector(Generic[T]):
                 if parsed is None:
                     malformed += 1
                 elif self._keep(parsed):
-                    items[_name_of(obj)] = parsed
+                    items[self._key_of(obj)] = parsed
             cont = meta.get("continue") or ""
             if not cont:
                 rv = str(meta.get("resourceVersion") or "")
@@ -380,13 +386,15 @@ class Reflector(Generic[T]):
         if etype not in ("ADDED", "MODIFIED", "DELETED"):
             with self._lock:
                 self._stats.malformed_skipped += 1
-            log.warning("watch_bad_event", kind=self.kind, node=self.label, type=str(etype), raw=str(event.get("raw", ""))[:200])
+            log.warning("watch_bad_event", kind=self.kind, node=self.label, type=str(etype),
+                        raw=str(event.get("raw", ""))[:200])
             return
-        name = meta.get("name") if isinstance(meta, dict) else None
-        if not isinstance(name, str) or not name:
+        name = self._key_of(obj)
+        if not name:
             with self._lock:
                 self._stats.malformed_skipped += 1
-            log.warning("watch_malformed", kind=self.kind, node=self.label, error=f"{etype} event without metadata.name")
+            log.warning("watch_malformed", kind=self.kind, node=self.label,
+                        error=f"{etype} event without metadata.name")
             return
         parsed = None if etype == "DELETED" else self._parse_logged(obj, version)
         with self._lock:

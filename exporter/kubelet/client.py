@@ -33,7 +33,14 @@ from exporter.kubelet import api_pb2
 from exporter.kubelet.convert import DeadlinePassed
 from exporter.kubelet.decode import AnswerMalformed, AnswerRefused, decode
 from exporter.kubelet.model import PodResourcesSnapshot
-from exporter.kubelet.transport import DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE, GrpcStatus, TransportError, UnaryConnection
+from exporter.kubelet.transport import (
+    DEADLINE_EXCEEDED,
+    RESOURCE_EXHAUSTED,
+    UNAVAILABLE,
+    GrpcStatus,
+    TransportError,
+    UnaryConnection,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -101,7 +108,8 @@ class PodResourcesClient:
         self._backoff = Backoff(BACKOFF_MIN_S, BACKOFF_MAX_S, rng=self._rng.random, min_delay=BACKOFF_MIN_S)
         self._backoff_until = 0.0
         self._last_skipped = 0
-        self._last: tuple[bytearray, PodResourcesSnapshot] | None = None  # the last List answer's bytes and its conversion
+        self._last: tuple[bytearray,
+                          PodResourcesSnapshot] | None = None  # the last List answer's bytes and its conversion
 
     # -- public -------------------------------------------------------------------------
 
@@ -127,16 +135,18 @@ class PodResourcesClient:
             try:
                 snap = decode(data, deadline)
             except AnswerMalformed as err:  # (the cycle's collector logs it, once)
-                raise KubeletError(self.socket_path, f"could not decode List response ({len(data)} bytes): {err}") from None
+                raise KubeletError(
+                    self.socket_path, f"could not decode List response ({len(data)} bytes): {err}"
+                ) from None
             except AnswerRefused as err:
                 raise KubeletError(self.socket_path, f"List response ({len(data)} bytes) refused: {err}") from None
             except DeadlinePassed:
-                raise KubeletUnavailable(self.socket_path, f"List response ({len(data)} bytes) not decoded within {self.timeout:g}s") from None
+                raise KubeletUnavailable(
+                    self.socket_path, f"List response ({len(data)} bytes) not decoded within {self.timeout:g}s"
+                ) from None
             except Exception as err:  # a converter bug must not kill the sampler thread
                 log.exception("kubelet_response_unreadable", socket=self.socket_path)
-                raise KubeletError(
-                    self.socket_path, f"could not interpret List response: {err!r}"
-                ) from err
+                raise KubeletError(self.socket_path, f"could not interpret List response: {err!r}") from err
             if snap.skipped_entries != self._last_skipped:
                 # Logged on change only: the same old kubelet would otherwise log every interval.
                 log.warning(

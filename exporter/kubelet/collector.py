@@ -1,4 +1,4 @@
-"""The kubelet collector: one PodResources List per cycle, and what the node's pods claim.
+"""The kubelet collector: one PodResources List per cycle.
 
 A kubelet restart (its socket re-bound) or a rate limit makes a List fail for a while; the last
 good answer then stands in for :data:`KUBELET_GRACE` seconds so the dashboards keep their
@@ -11,9 +11,9 @@ import threading
 from typing import Protocol
 
 from ..collect import Collector, Gathered, Slot, SourceStats
-from .model import AllocationSource, PodResourcesSnapshot
+from .model import PodResourcesSnapshot
 
-__all__ = ["KUBELET", "KUBELET_GRACE", "KubeletCollector", "claim_refs"]
+__all__ = ["KUBELET", "KUBELET_GRACE", "KubeletCollector"]
 
 KUBELET: Slot[PodResourcesSnapshot] = Slot("kubelet")
 KUBELET_GRACE = 300.0  # seconds to keep the last allocations while the kubelet is unreachable
@@ -55,11 +55,3 @@ class KubeletCollector(Collector[PodResourcesSnapshot]):
         with self._lock:
             return SourceStats(requests={"list": self._lists}, errors=self._errors)
 
-
-def claim_refs(found: Gathered) -> list[tuple[str, str]]:
-    """(namespace, name) of every ResourceClaim the kubelet reports a DRA device for, sorted:
-    the claims collector fetches exactly these."""
-    snap = found.get(KUBELET)
-    if snap is None:
-        return []
-    return sorted({(a.claim_namespace, a.claim_name) for a in snap.allocations if a.source == AllocationSource.DRA and a.claim_name})

@@ -57,7 +57,8 @@ def to_snapshot(resp: api_pb2.ListPodResourcesResponse, deadline: float | None =
                     if not device_id:
                         skipped += 1
                         continue
-                    rows[ContainerAllocation(namespace=ns, pod=pod, container=cname, source=_PLUGIN, resource_name=resource, device_id=device_id)] = None
+                    rows[ContainerAllocation(namespace=ns, pod=pod, container=cname, source=_PLUGIN,
+                                             resource_name=resource, device_id=device_id)] = None
             for dyn in ctr.dynamic_resources:
                 claim_ns, claim_name = dyn.claim_namespace, dyn.claim_name
                 for cr in dyn.claim_resources:

@@ -104,7 +104,8 @@ class TransportError(Exception):
 
 # Our request headers are constants, valid and lower-case: h2 need not check and normalise them
 # on every call. What the server sends is still validated.
-_CONFIG = h2.config.H2Configuration(client_side=True, header_encoding=None, validate_outbound_headers=False, normalize_outbound_headers=False)
+_CONFIG = h2.config.H2Configuration(client_side=True, header_encoding=None, validate_outbound_headers=False,
+                                    normalize_outbound_headers=False)
 
 
 class UnaryConnection:
@@ -131,10 +132,14 @@ class UnaryConnection:
         # limit is then seen (and refused on its prefix) rather than stalled by flow control.
         window = min(MAX_WINDOW, max_message + 5 + MAX_FRAME)
         conn.local_settings = h2.settings.Settings(
-            client=True, initial_values={h2.settings.SettingCodes.ENABLE_PUSH: 0, h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window}
+            client=True,
+            initial_values={h2.settings.SettingCodes.ENABLE_PUSH: 0,
+                            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window}
         )
         conn.initiate_connection()
-        conn.increment_flow_control_window(MAX_WINDOW - 65535)  # the connection's, topped up by h2 as answers are consumed
+        conn.increment_flow_control_window(
+            MAX_WINDOW - 65535
+        )  # the connection's, topped up by h2 as answers are consumed
         self._h2 = conn
         self._going_away = False  # the server sent GOAWAY: no new call on this connection
         self._preface_seen = False  # the server's first frame (its SETTINGS) has arrived
@@ -237,7 +242,8 @@ class UnaryConnection:
                             # The 5-byte prefix of a gRPC answer declares the message's size:
                             # refuse an oversized one at once, not after receiving all of it. (A
                             # 503's text body is no gRPC message: its status is the error.)
-                            if len(body) > limit + 5 or (grpc and len(body) >= 5 and int.from_bytes(body[1:5], "big") > limit):
+                            if len(body) > limit + 5 or (
+                                grpc and len(body) >= 5 and int.from_bytes(body[1:5], "big") > limit):
                                 self._fail(f"response larger than {limit} bytes")
                         if ev.flow_controlled_length:
                             conn.acknowledge_received_data(ev.flow_controlled_length, sid)
@@ -325,7 +331,8 @@ class UnaryConnection:
             if kind or length < _SMALL_DATA:  # not a DATA frame carrying an answer's bytes
                 self._frames += 1
                 if self._frames > CALL_FRAMES:
-                    self._protocol_error(f"more than {CALL_FRAMES} frames that carry little or no answer (a frame flood)")
+                    self._protocol_error(f"more than {CALL_FRAMES} frames that carry little or no answer (a frame "
+                                         "flood)")
             if end >= size:
                 self._skip = end - size
                 pos = size
@@ -343,7 +350,8 @@ class UnaryConnection:
             self._fail(f"the server closed the connection (GOAWAY, HTTP/2 error {code})")
 
 
-def _message(headers: list[tuple[bytes, bytes]], trailers: list[tuple[bytes, bytes]], body: bytearray, max_message: int) -> bytearray:
+def _message(headers: list[tuple[bytes, bytes]], trailers: list[tuple[bytes, bytes]], body: bytearray,
+             max_message: int) -> bytearray:
     """The one response message, after checking the HTTP status and the grpc-status."""
     head = dict(headers)
     http_status = head.get(b":status", b"")

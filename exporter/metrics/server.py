@@ -1,12 +1,12 @@
 """HTTP endpoints: /metrics (the newest cycle's bytes), /healthz (alive), /readyz (fresh data).
 
 A scrape never touches a device or the network: it gets the exposition of the newest state the
-sampler published, in the format and encoding the client asked for. The bytes are made at most
-once per cycle and form, by the first request that needs them, on the render thread, never on
-the event loop (ondemand.py): other connections are served meanwhile, and concurrent scrapes of
-one cycle share one render. That keeps scrapes fast and independent of a hung driver or an API
-outage. The connection handling and its limits live in web.py; TLS, basic auth and headers
-come from web_config.py.
+sampler published (:class:`Expositions`), in the format and encoding the client asked for. A
+cycle's bytes are made once, by the first request that needs them, on the render thread, never
+on the event loop: other connections are served meanwhile, and concurrent scrapes of one cycle
+share one render. With a usual 15-30 s scrape of a 1-5 s cycle most cycles are never rendered.
+The connection handling and its limits live in web.py; TLS, basic auth and headers come from
+webconfig.py.
 """
 
 from __future__ import annotations
@@ -16,16 +16,15 @@ import base64
 import hashlib
 import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import structlog
 
 from ..text import one_line
-from .ondemand import Fixed
-from .render import Exposition, Form
+from .render import Exposition, Form, RenderState
 from .web import HttpServer, Limits, Request, Response, bind
 from .webconfig import ReloadingContext, WebConfig, client_san_problem
 from .webstats import HttpStats
@@ -46,12 +45,75 @@ _INDEX = b"""<html><head><title>dra-gpu-exporter</title></head><body>
 _TEXT = "text/plain; charset=utf-8"
 
 
-class Expositions(Protocol):
-    """Where /metrics gets its bytes: exporter.metrics.ondemand.OnDemand (the agent's), or Fixed."""
+Route = Callable[[Request], Awaitable[Response]]
+
+
+class Renders(Protocol):
+    def render(self, state: RenderState) -> Exposition: ...
+
+
+class Expositions:
+    """The per-cycle bytes cache: the sampler publishes each cycle's RenderState (cheap: parts the
+    sources made anyway, each immutable or a copy); a request for a cycle other than the cached
+    one renders it, once, under a lock (the renderer keeps caches from one render to the next
+    and is not thread-safe; concurrent requests for the cycle wait for that one render).
+
+    A render that fails (a bug, for one state) is logged and not retried until the next cycle:
+    the last good bytes are served (their ``dra_gpu_exporter_last_collection_timestamp_seconds``
+    says how old they are) and ``error`` says why for /readyz; with none, the handler answers 500.
+    """
+
+    def __init__(self, renderer: Renders) -> None:
+        self._renderer = renderer
+        self._lock = threading.Lock()  # one render at a time
+        self._state: tuple[int, RenderState] | None = None  # the newest cycle's, numbered
+        self._cached: tuple[int, Exposition] | None = None  # the newest good render, its cycle's number
+        self._failed = 0  # the number of the newest cycle whose render failed
+        self.renders = 0
+        self.failures = 0
+        self.error: str | None = None  # why the newest cycle could not be rendered; None if it could
+
+    def publish(self, state: RenderState) -> None:
+        """The newest cycle's state (the sampler's); rendered when a scrape asks."""
+        last = self._state
+        self._state = (last[0] + 1 if last is not None else 1, state)  # one reference written: no lock
 
     @property
-    def published(self) -> bool: ...
-    def request(self, form: Form | None = None) -> Future[Exposition | None]: ...
+    def published(self) -> bool:
+        return self._state is not None
+
+    @property
+    def rendered(self) -> bool:
+        """Whether any cycle was rendered (/readyz: a failing first render)."""
+        return self._cached is not None
+
+    def cached(self, form: Form) -> Exposition | None:
+        """The newest cycle's exposition if it is made, ``form`` included (no work: the event loop)."""
+        state, cached = self._state, self._cached
+        if state is not None and cached is not None and cached[0] == state[0] and cached[1].ready(form):
+            return cached[1]
+        return None
+
+    def exposition(self, form: Form | None = None) -> Exposition | None:
+        """The newest cycle's exposition, rendered now if it is not, ``form`` made (blocks: the
+        render thread, tests, benchmarks); None if nothing could be rendered yet."""
+        with self._lock:
+            state = self._state
+            if state is not None and (self._cached is None or self._cached[0] != state[0]) and self._failed != state[0]:
+                try:
+                    self._cached = (state[0], self._renderer.render(state[1]))
+                    self.renders += 1
+                    self.error = None
+                except Exception as e:  # a bug for one state must not take the endpoint down
+                    serving = "the previous cycle's metrics" if self._cached else "HTTP 500"
+                    log.exception("metrics_render_failed", serving=serving)
+                    self._failed = state[0]
+                    self.failures += 1
+                    self.error = f"metrics render failed: {type(e).__name__}: {one_line(e, 200)}"
+            exp = self._cached[1] if self._cached is not None else None
+        if exp is not None and form is not None:
+            exp.get(form)  # gzipped here, off the event loop (outside the lock)
+        return exp
 
 
 def _qvalues(header: str) -> list[tuple[str, float]]:
@@ -93,55 +155,25 @@ def wants_gzip(accept_encoding: str) -> bool:
     return named.get("*", 0) > 0
 
 
-class _Job:
-    __slots__ = ("fut", "hashed", "password", "peer")
-
-    def __init__(self, peer: str, hashed: bytes, password: bytes, fut: asyncio.Future[bool]) -> None:
-        self.peer, self.hashed, self.password, self.fut = peer, hashed, password, fut
-
-
 class _BasicAuth:
-    """bcrypt checks off the event loop, one at a time, at most a quarter of a core, taken in
-    turn per client address; failures from one address are answered ever more slowly.
-
-    A check costs ~70 ms of CPU at cost 10; done on the loop it would stall every client, and
-    a flood of wrong passwords would take a core from device reads. Results are cached per
-    (user, password digest), like the exporter-toolkit, so a scraper pays once; successes and
-    failures in separate caches, so guesses cannot push a good credential out.
-
-    Checks wait their turn (the exporter-toolkit also lets requests wait) in one line per client
-    address, served round-robin: a guesser with many connections gets one turn in each round
-    like everyone else, and a valid credential from elsewhere waits for one check per other
-    address, never behind the guesser's line and never refused for it. One address may have
-    WAITING_PER_ADDRESS checks waiting (see there). After
-    FREE_FAILURES failures from one address within FAILURE_WINDOW, each further failure is
-    answered only after a delay that doubles up to MAX_DELAY (a connection is held, nothing
-    is computed), so one address's guesses per connection slow down."""
+    """bcrypt checks off the event loop, one at a time, results cached, as the exporter-toolkit
+    does: a check costs ~70 ms of CPU at cost 10, so done on the loop it would stall every
+    client. Successes and failures are cached apart (per user and password digest), so guesses
+    cannot push a good credential out and a scraper pays once. Checks take at most a quarter
+    of a core (a flood of wrong passwords must not take a core from device reads), and one
+    address may have WAITING_PER_ADDRESS checks waiting: each holds a connection slot, and
+    without a cap one address's guesses could hold every slot; past it that address (only)
+    gets 429. A scraper has one or two waiting."""
 
     OK_CACHE = 64
     FAILED_CACHE = 256
-    FREE_FAILURES = 3
-    FAILURE_WINDOW = 60.0
-    FIRST_DELAY = 0.25
-    MAX_DELAY = 4.0  # under a common 5-10 s scrape timeout: a mistyped password still reads as 401
-    PEERS = 4096  # addresses whose recent failures are remembered
-    # Checks one address may have waiting. Each holds a connection slot until its turn, and turns
-    # come at ~3 a second: without a cap one address's guesses could hold every slot, and
-    # everyone else (Prometheus included, credential cached or not) would wait in the kernel's
-    # queue for minutes. Past it, that address (only) gets 429. A scraper has one or two waiting.
     WAITING_PER_ADDRESS = 16
 
     def __init__(self, users: dict[str, bytes]) -> None:
         self.users = users
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="http-auth")
-        self._ok: OrderedDict[tuple[str, bytes], None] = OrderedDict()
-        self._failed: OrderedDict[tuple[str, bytes], None] = OrderedDict()
-        self._waiting: OrderedDict[str, deque[_Job]] = OrderedDict()  # per address, in turn order
-        self._running = False
-        self._checking: tuple[str, deque[_Job]] | None = None  # the address checked now, and its line
-        self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()  # address -> (count, last)
-        self.checks = 0  # bcrypt checks run
-        self.throttled = 0  # failures answered late
+        self._cache: dict[bool, OrderedDict[tuple[str, bytes], None]] = {True: OrderedDict(), False: OrderedDict()}
+        self._waiting: Counter[str] = Counter()  # address -> checks waiting or running
         import bcrypt
 
         # An unknown user is checked against this hash, so timing does not tell which user
@@ -174,98 +206,24 @@ class _BasicAuth:
         known = user in self.users and bool(sep)
         hashed = self.users.get(user) or self._dummy
         key = (user, hashlib.sha256(hashed + b"\0" + password.encode()).digest())
-        if key in self._ok:
-            self._ok.move_to_end(key)
-            return known
-        if key in self._failed:
-            self._failed.move_to_end(key)
-            ok = False
-        else:
-            line = self._checking[1] if self._checking is not None and self._checking[0] == peer else self._waiting.get(peer, ())
-            if len(line) >= self.WAITING_PER_ADDRESS:
-                return None
-            ok = await self._queue(peer, hashed, password.encode())
-            cache = self._ok if ok else self._failed
-            cache[key] = None
-            if len(cache) > (self.OK_CACHE if ok else self.FAILED_CACHE):
-                cache.popitem(last=False)
-        if ok and known:
-            self._failures.pop(peer, None)
-            return True
-        await self._throttle(peer)
-        return False
-
-    async def _queue(self, peer: str, hashed: bytes, password: bytes) -> bool:
-        loop = asyncio.get_running_loop()
-        job = _Job(peer, hashed, password, loop.create_future())
-        self._line(peer).append(job)
-        self._next(loop)
+        for ok, cache in self._cache.items():
+            if key in cache:
+                cache.move_to_end(key)
+                return ok and known
+        if self._waiting[peer] >= self.WAITING_PER_ADDRESS:
+            return None
+        self._waiting[peer] += 1
         try:
-            return await job.fut
-        except asyncio.CancelledError:  # the client went away: its turn is not taken
-            q = self._checking[1] if self._checking is not None and self._checking[0] == peer else self._waiting.get(peer)
-            if q is not None and job in q:
-                q.remove(job)
-                if not q and self._waiting.get(peer) is q:
-                    del self._waiting[peer]
-            raise
-
-    def _line(self, peer: str) -> deque[_Job]:
-        """``peer``'s waiting jobs: the address being checked now waits out of the rotation
-        until its check ends, then goes to the back, behind addresses that arrived meanwhile."""
-        if self._checking is not None and self._checking[0] == peer:
-            return self._checking[1]
-        return self._waiting.setdefault(peer, deque())
-
-    def _next(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start the next check, if none is running: the first waiting job of the address
-        whose turn it is; that address goes to the back of the line."""
-        while not self._running and self._waiting:
-            peer, q = self._waiting.popitem(last=False)
-            job = q.popleft()
-            if job.fut.done():
-                if q:
-                    self._waiting[peer] = q
-                continue
-            try:
-                work = self._pool.submit(self._check, job.hashed, job.password)
-            except RuntimeError:  # stopping
-                job.fut.set_result(False)
-                continue
-            self._running = True
-            self._checking = (peer, q)
-            self.checks += 1
-
-            def finished(w: Future[bool], job: _Job = job) -> None:
-                try:
-                    loop.call_soon_threadsafe(self._finished, loop, job, w)
-                except RuntimeError:
-                    pass  # the loop is closed: the server stopped
-
-            work.add_done_callback(finished)
-
-    def _finished(self, loop: asyncio.AbstractEventLoop, job: _Job, work: Future[bool]) -> None:
-        self._running = False
-        if self._checking is not None:
-            peer, q = self._checking
-            self._checking = None
-            if q:
-                self._waiting[peer] = q  # to the back of the line
-        if not job.fut.done():
-            ok = False if work.cancelled() or work.exception() is not None else work.result()
-            job.fut.set_result(ok)
-        self._next(loop)
-
-    async def _throttle(self, peer: str) -> None:
-        now = time.monotonic()
-        count, last = self._failures.pop(peer, (0, now))
-        count = 1 if now - last > self.FAILURE_WINDOW else count + 1
-        self._failures[peer] = (count, now)
-        if len(self._failures) > self.PEERS:
-            self._failures.popitem(last=False)
-        if count > self.FREE_FAILURES:
-            self.throttled += 1
-            await asyncio.sleep(min(self.MAX_DELAY, self.FIRST_DELAY * 2 ** (count - self.FREE_FAILURES - 1)))
+            ok = await asyncio.wrap_future(self._pool.submit(self._check, hashed, password.encode()))
+        finally:
+            self._waiting[peer] -= 1
+            if not self._waiting[peer]:
+                del self._waiting[peer]
+        cache = self._cache[ok]
+        cache[key] = None
+        if len(cache) > (self.OK_CACHE if ok else self.FAILED_CACHE):
+            cache.popitem(last=False)
+        return ok and known
 
 
 class MetricsServer:
@@ -282,8 +240,10 @@ class MetricsServer:
         self.readiness = readiness
         self.liveness = liveness
         self.web_config = web_config or WebConfig()
-        self._source: Expositions | None = None  # None until the first cycle is published
-        self._static: bytes | None = None  # for the benchmark's static-body baseline
+        self.source: Expositions | None = None  # None until the first cycle is published
+        # Paths answered behind basic auth; a benchmark may add its own (bench/: a static body).
+        self.routes: dict[str, Route] = {"/metrics": self._metrics, "/": self._index}
+        self._render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="render")
         self._tls = ReloadingContext(self.web_config.tls) if self.web_config.tls else None
         self._auth = _BasicAuth(self.web_config.basic_auth_users) if self.web_config.basic_auth_users else None
         self._extra_headers = list(self.web_config.headers)
@@ -291,13 +251,16 @@ class MetricsServer:
         # sampler) must make its probe fail, not freeze the event loop and every scrape with it.
         # One thread each, so a stuck readiness check does not fail liveness and the reverse.
         self._probe_pools = {p: ThreadPoolExecutor(max_workers=1, thread_name_prefix="http-probe") for p in PROBES}
-        self._probe_slots = {p: threading.BoundedSemaphore(self.PROBES_QUEUED) for p in PROBES}  # submitted, not finished
+        self._probe_slots = {
+            p: threading.BoundedSemaphore(self.PROBES_QUEUED) for p in PROBES
+        }  # submitted, not finished
         sock = bind(host, port)
         self._host = host
         tls = self.web_config.tls
         allowed = tls.client_allowed_sans if tls is not None else ()
         peer_check = (lambda cert: client_san_problem(cert, allowed)) if allowed else None
-        self._http = HttpServer(sock, self._handle, limits or Limits(), tls=self._tls.current if self._tls else None, peer_check=peer_check)
+        self._http = HttpServer(sock, self._handle, limits or Limits(), tls=self._tls.current if self._tls else None,
+                                peer_check=peer_check)
         self._started = False
 
     # -- public ------------------------------------------------------------------------------
@@ -317,22 +280,8 @@ class MetricsServer:
         return f"{'https' if self._tls else 'http'}://{host}:{self.port}"
 
     def serve_from(self, source: Expositions) -> None:
-        """Serve what ``source`` publishes (the agent's OnDemand: rendered when asked)."""
-        self._source = source
-
-    def publish(self, exposition: Exposition) -> None:
-        """Serve these bytes until told otherwise (tests; the agent serves from its OnDemand)."""
-        self._source = Fixed(exposition)
-
-    def current(self, timeout: float | None = 30.0) -> Exposition | None:
-        """What /metrics serves now, rendered if it is not yet (blocks: tests and benchmarks,
-        never the event loop)."""
-        src = self._source
-        return src.request().result(timeout) if src is not None else None
-
-    def serve_static(self, body: bytes) -> None:
-        """Serve ``body`` at /static (benchmark baseline: same server, no rendering)."""
-        self._static = body
+        """Serve what ``source`` publishes (the agent's: each cycle rendered when asked)."""
+        self.source = source
 
     def stats(self) -> HttpStats:
         h = self._http
@@ -362,6 +311,7 @@ class MetricsServer:
 
     def stop(self) -> None:
         self._http.stop()
+        self._render_pool.shutdown(wait=False, cancel_futures=True)
         for pool in self._probe_pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
         if self._auth is not None:
@@ -375,22 +325,25 @@ class MetricsServer:
 
     async def _route(self, req: Request) -> Response:
         path = req.path
-        known = path in ("/metrics", "/healthz", "/readyz", "/") or (path == "/static" and self._static is not None)
-        if not known:
+        route = self.routes.get(path)
+        if route is None and path not in PROBES:
             return Response(404, b"not found\n", [("Content-Type", _TEXT)])
         if req.method not in ("GET", "HEAD"):
             return Response(405, b"method not allowed\n", [("Content-Type", _TEXT), ("Allow", "GET, HEAD")])
         if path in PROBES:
             return await self._probe(self.liveness if path == "/healthz" else self.readiness, path)
-        if self._auth is not None and (ok := await self._auth.allowed(req.headers.get("authorization"), req.peer_ip)) is not True:
+        ok = True if self._auth is None else await self._auth.allowed(req.headers.get("authorization"), req.peer_ip)
+        if ok is not True:
             if ok is None:
-                return Response(429, b"too many credential checks waiting from this address\n", [("Content-Type", _TEXT), ("Retry-After", "1")])
+                return Response(429, b"too many credential checks waiting from this address\n",
+                                [("Content-Type", _TEXT), ("Retry-After", "1")])
             self._http.client_log("http_unauthorized", peer=req.peer)
-            return Response(401, b"unauthorized\n", [("Content-Type", _TEXT), ("WWW-Authenticate", 'Basic realm="dra-gpu-exporter"')])
-        if path == "/metrics":
-            return await self._metrics(req)
-        if path == "/static":
-            return Response(200, self._static or b"", [("Content-Type", CONTENT_TYPE)])
+            return Response(401, b"unauthorized\n",
+                            [("Content-Type", _TEXT), ("WWW-Authenticate", 'Basic realm="dra-gpu-exporter"')])
+        assert route is not None  # (not a probe)
+        return await route(req)
+
+    async def _index(self, req: Request) -> Response:
         return Response(200, _INDEX, [("Content-Type", "text/html; charset=utf-8")])
 
     # A render (and gzip) takes milliseconds, a second for a huge node on a starved CPU; past
@@ -399,31 +352,37 @@ class MetricsServer:
     RENDER_TIMEOUT = 30.0
 
     async def _metrics(self, req: Request) -> Response:
-        src = self._source  # one reference read
+        src = self.source  # one reference read
         if src is None or not src.published:
             # Before the first cycle there is nothing true to say: an empty 200 would read as
             # "this node has no GPUs". Prometheus records the target as down.
-            return Response(503, b"no metrics yet: the first collection cycle is still running\n", [("Content-Type", _TEXT)])
+            return Response(503, b"no metrics yet: the first collection cycle is still running\n",
+                            [("Content-Type", _TEXT)])
         om = wants_openmetrics(req.headers.get("accept", ""))
         gz = wants_gzip(req.headers.get("accept-encoding", ""))
         form: Form = ("openmetrics_gzipped" if gz else "openmetrics") if om else ("gzipped" if gz else "body")
-        try:
-            job = src.request(form)
-        except RuntimeError:  # stopping
-            return Response(503, b"stopping\n", [("Content-Type", _TEXT)])
-        try:
-            # Shielded: a client that goes away must not cancel the render other scrapes share.
-            exp = job.result() if job.done() else await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job)), self.RENDER_TIMEOUT)
-        except TimeoutError:
-            log.warning("metrics_render_slow", waited_seconds=self.RENDER_TIMEOUT)
-            return Response(503, b"metrics not rendered in time: retry\n", [("Content-Type", _TEXT), ("Retry-After", "1")])
-        except Exception as e:  # the job itself broke (a render's own failure is caught in it)
-            log.warning("metrics_job_failed", error=one_line(e))
-            exp = None
+        exp = src.cached(form)
+        if exp is None:
+            try:
+                job = self._render_pool.submit(src.exposition, form)
+            except RuntimeError:  # stopping
+                return Response(503, b"stopping\n", [("Content-Type", _TEXT)])
+            try:
+                # A client that goes away cancels only its own job (if not started): the render
+                # is the cache's, whoever asked first.
+                exp = await asyncio.wait_for(asyncio.wrap_future(job), self.RENDER_TIMEOUT)
+            except TimeoutError:
+                log.warning("metrics_render_slow", waited_seconds=self.RENDER_TIMEOUT)
+                headers = [("Content-Type", _TEXT), ("Retry-After", "1")]
+                return Response(503, b"metrics not rendered in time: retry\n", headers)
+            except Exception as e:  # the job itself broke (a render's own failure is caught in it)
+                log.warning("metrics_job_failed", error=one_line(e))
         if exp is None:  # every render so far failed (logged, and said in /readyz)
-            return Response(500, b"metrics could not be rendered: see the agent's log and /readyz\n", [("Content-Type", _TEXT)])
-        body = exp.get(form)  # made by the job: no work here
-        headers = [("Content-Type", OPENMETRICS_CONTENT_TYPE if om else CONTENT_TYPE), ("Vary", "Accept, Accept-Encoding")]
+            return Response(500, b"metrics could not be rendered: see the agent's log and /readyz\n",
+                            [("Content-Type", _TEXT)])
+        body = exp.get(form)  # made already: no work here
+        headers = [("Content-Type", OPENMETRICS_CONTENT_TYPE if om else CONTENT_TYPE),
+                   ("Vary", "Accept, Accept-Encoding")]
         if gz:
             headers.append(("Content-Encoding", "gzip"))
         return Response(200, body, headers)

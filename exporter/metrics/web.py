@@ -151,7 +151,8 @@ def bind(host: str, port: int, backlog: int = 128) -> socket.socket:
     """A listening socket; ``::`` listens on IPv6 and IPv4 (dual stack) where the host allows."""
     try:
         if host in ("::", "") and socket.has_dualstack_ipv6():
-            return socket.create_server(("::", port), family=socket.AF_INET6, backlog=backlog, reuse_port=False, dualstack_ipv6=True)
+            return socket.create_server(("::", port), family=socket.AF_INET6, backlog=backlog, reuse_port=False,
+                                        dualstack_ipv6=True)
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, _, _, _, addr = infos[0]
         return socket.create_server(addr, family=family, backlog=backlog)
@@ -185,8 +186,8 @@ class _Conn(asyncio.Protocol):
     """One accepted connection: its transport, read-ahead, TLS state and serving task."""
 
     __slots__ = (
-        "abort_handle", "closing", "drain_waiter", "eof", "id", "inbuf", "lost", "peer", "peer_ip", "phase", "reading_paused", "served",
-        "since", "sock", "srv", "task", "tls", "transport", "waiter", "writing_paused",
+        "abort_handle", "closing", "eof", "id", "inbuf", "lost", "peer", "peer_ip", "phase", "readable",
+        "reading_paused", "served", "since", "sock", "srv", "task", "tls", "transport", "writable",
     )
 
     def __init__(self, server: HttpServer, cid: int, sock: socket.socket, has_data: bool) -> None:
@@ -204,9 +205,11 @@ class _Conn(asyncio.Protocol):
         self.lost = False
         self.closing = False
         self.reading_paused = False
-        self.writing_paused = False
-        self.waiter: asyncio.Future[None] | None = None
-        self.drain_waiter: asyncio.Future[None] | None = None
+        # Flow control, as uvicorn's: set when there is something to read (or the end), and
+        # while the transport takes writes.
+        self.readable = asyncio.Event()
+        self.writable = asyncio.Event()
+        self.writable.set()
         self.tls: _TLS | None = None
         self.task: asyncio.Task[None] | None = None
         self.abort_handle: asyncio.TimerHandle | None = None
@@ -235,11 +238,11 @@ class _Conn(asyncio.Protocol):
         if len(self.inbuf) >= READ_CHUNK and not self.reading_paused and self.transport is not None:
             self.reading_paused = True
             self.transport.pause_reading()
-        self._wake()
+        self.readable.set()
 
     def eof_received(self) -> bool:
         self.eof = True
-        self._wake()
+        self.readable.set()
         return True  # half-closed: the answer can still be written
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -247,8 +250,8 @@ class _Conn(asyncio.Protocol):
         if self.abort_handle is not None:
             self.abort_handle.cancel()
             self.abort_handle = None
-        self._wake()
-        self._wake_drain()
+        self.readable.set()
+        self.writable.set()
         if self.task is not None and not self.task.done() and not self.closing:
             self.task.cancel()  # the client is gone: stop waiting for a bcrypt check or a probe
         self.tls = None
@@ -256,29 +259,15 @@ class _Conn(asyncio.Protocol):
         self.srv._release(self)
 
     def pause_writing(self) -> None:
-        self.writing_paused = True
+        self.writable.clear()
 
     def resume_writing(self) -> None:
-        self.writing_paused = False
-        self._wake_drain()
+        self.writable.set()
 
     # -- reading -------------------------------------------------------------------------------
-    def _wake(self) -> None:
-        w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    def _wake_drain(self) -> None:
-        w = self.drain_waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
     async def _wait(self) -> None:
-        self.waiter = self.srv.loop.create_future()
-        try:
-            await self.waiter
-        finally:
-            self.waiter = None
+        self.readable.clear()
+        await self.readable.wait()
 
     async def _read(self) -> bytes:
         """What has arrived (at least one byte), or b"" at the end of the stream."""
@@ -362,21 +351,15 @@ class _Conn(asyncio.Protocol):
             self._tls_out(tls)
 
     async def _drain(self) -> None:
-        if not self.writing_paused:
-            return
-        self.drain_waiter = self.srv.loop.create_future()
-        try:
-            async with asyncio.timeout(self.srv.limits.write_timeout):
-                while self.writing_paused and not self.lost:
-                    await self.drain_waiter
-                    self.drain_waiter = self.srv.loop.create_future()
-        except TimeoutError:
-            self.srv._timeout("write")
-            if self.transport is not None:
-                self.transport.abort()
-            raise ConnectionError("write timed out") from None
-        finally:
-            self.drain_waiter = None
+        if not self.writable.is_set():
+            try:
+                async with asyncio.timeout(self.srv.limits.write_timeout):
+                    await self.writable.wait()
+            except TimeoutError:
+                self.srv._timeout("write")
+                if self.transport is not None:
+                    self.transport.abort()
+                raise ConnectionError("write timed out") from None
         if self.lost:
             raise ConnectionError("connection lost")
 
@@ -416,7 +399,8 @@ class _Conn(asyncio.Protocol):
                 req = await self._next_request(h, peer_cert)
             except _Refused as r:
                 srv.client_log("http_request_rejected", peer=self.peer, reason=r.reason)
-                await self._respond(h, Response(r.status, (r.reason + "\n").encode(), [("Content-Type", "text/plain; charset=utf-8")]), r.method, close=True)
+                await self._respond(h, Response(r.status, (r.reason + "\n").encode(),
+                                                [("Content-Type", "text/plain; charset=utf-8")]), r.method, close=True)
                 return
             if req is None:
                 return
@@ -588,7 +572,8 @@ def head_problem(raw: bytes) -> str | None:
 class HttpServer:
     """Serves ``handler`` on a socket from one event-loop thread."""
 
-    def __init__(self, sock: socket.socket, handler: Handler, limits: Limits = Limits(), tls: Callable[[], ssl.SSLContext] | None = None, peer_check: PeerCheck | None = None) -> None:
+    def __init__(self, sock: socket.socket, handler: Handler, limits: Limits = Limits(),
+                 tls: Callable[[], ssl.SSLContext] | None = None, peer_check: PeerCheck | None = None) -> None:
         self.sock = sock
         self.handler = handler
         self.limits = limits

@@ -69,10 +69,13 @@ _HEADERS = {
     "strict-transport-security": ("Strict-Transport-Security", None),
 }
 _TOP_KEYS = ("tls_server_config", "http_server_config", "basic_auth_users", "rate_limit")
-_TLS_KEYS = ("cert_file", "key_file", "cert", "key", "client_ca_file", "client_ca", "client_auth_type", "client_allowed_sans", "min_version", "max_version", "cipher_suites", "prefer_server_cipher_suites", "curve_preferences")
+_TLS_KEYS = ("cert_file", "key_file", "cert", "key", "client_ca_file", "client_ca", "client_auth_type",
+             "client_allowed_sans", "min_version", "max_version", "cipher_suites", "prefer_server_cipher_suites",
+             "curve_preferences")
 _HTTP_KEYS = ("http2", "headers")
 # Every key of the exporter-toolkit format, dotted: what tests/test_web_config_keys.py walks.
-KEYS = (*(k for k in _TOP_KEYS if k not in ("tls_server_config", "http_server_config")), *(f"tls_server_config.{k}" for k in _TLS_KEYS), *(f"http_server_config.{k}" for k in _HTTP_KEYS))
+KEYS = (*(k for k in _TOP_KEYS if k not in ("tls_server_config", "http_server_config")),
+        *(f"tls_server_config.{k}" for k in _TLS_KEYS), *(f"http_server_config.{k}" for k in _HTTP_KEYS))
 _UNSUPPORTED_TLS = {"cipher_suites": "Go cipher suite names", "curve_preferences": "Go curve names"}
 
 
@@ -128,9 +131,11 @@ def parse_web_config(data: Any, source: str = "") -> WebConfig:
     top = _mapping(data, "web config")
     unknown = set(top) - set(_TOP_KEYS)
     if unknown:
-        raise WebConfigError(f"unknown key(s) {', '.join(sorted(map(str, unknown)))} (expected tls_server_config, http_server_config, basic_auth_users)")
+        raise WebConfigError(f"unknown key(s) {', '.join(sorted(map(str, unknown)))} (expected tls_server_config, "
+                             "http_server_config, basic_auth_users)")
     if top.get("rate_limit"):
-        raise WebConfigError("rate_limit: not supported (one limit for all clients would let a flood lock Prometheus out; the server's own per-connection limits apply, see docs/deploy.md)")
+        raise WebConfigError("rate_limit: not supported (one limit for all clients would let a flood lock Prometheus "
+                             "out; the server's own per-connection limits apply, see docs/deploy.md)")
     base = os.path.dirname(os.path.abspath(source)) if source else ""
     tls = _parse_tls(top["tls_server_config"], base) if top.get("tls_server_config") else None
     users: dict[str, bytes] = {}
@@ -138,7 +143,8 @@ def parse_web_config(data: Any, source: str = "") -> WebConfig:
         user = _string(user, "basic_auth_users: user name")
         h = _string(hashed, f"basic_auth_users.{user}")
         if not (h.startswith(("$2a$", "$2b$", "$2y$")) and len(h) == 60):
-            raise WebConfigError(f"basic_auth_users.{user}: not a bcrypt hash (make one with: htpasswd -nBC 10 \"\" | tr -d ':\\n')")
+            raise WebConfigError(f"basic_auth_users.{user}: not a bcrypt hash (make one with: htpasswd -nBC 10 \"\" | "
+                                 "tr -d ':\\n')")
         if ":" in user:
             raise WebConfigError(f"basic_auth_users: user name {user!r} contains ':', which basic auth cannot carry")
         # bcrypt (the library) checks $2b$; $2y$ (htpasswd's) is the same algorithm
@@ -153,7 +159,8 @@ def parse_web_config(data: Any, source: str = "") -> WebConfig:
     for name, value in _mapping(http.get("headers"), "http_server_config.headers").items():
         spec = _HEADERS.get(str(name).lower())
         if spec is None:
-            raise WebConfigError(f"http_server_config.headers: {name!r} is not one of {', '.join(c for c, _ in _HEADERS.values())}")
+            raise WebConfigError(f"http_server_config.headers: {name!r} is not one of "
+                                 f"{', '.join(c for c, _ in _HEADERS.values())}")
         canonical, allowed = spec
         if value is None or value == "":
             continue  # unset if blank, as in the toolkit
@@ -173,7 +180,8 @@ def _parse_tls(raw: Any, base: str = "") -> TLSSettings:
         raise WebConfigError(f"tls_server_config: unknown key(s) {', '.join(sorted(map(str, unknown)))}")
     for k, what in _UNSUPPORTED_TLS.items():
         if t.get(k):
-            raise WebConfigError(f"tls_server_config.{k}: not supported ({what} do not map onto OpenSSL); leave it out to use OpenSSL's defaults")
+            raise WebConfigError(f"tls_server_config.{k}: not supported ({what} do not map onto OpenSSL); leave it out "
+                                 "to use OpenSSL's defaults")
     kw: dict[str, Any] = {}
     for inline, path in (("cert", "cert_file"), ("key", "key_file"), ("client_ca", "client_ca_file")):
         if t.get(inline) and t.get(path):
@@ -186,7 +194,8 @@ def _parse_tls(raw: Any, base: str = "") -> TLSSettings:
         raise WebConfigError("tls_server_config: cert_file (or cert) and key_file (or key) are both required")
     auth = t.get("client_auth_type") or "NoClientCert"
     if auth in _UNVERIFIED_AUTH:
-        raise WebConfigError(f"tls_server_config.client_auth_type {auth}: not supported (accepts unverified certificates); use RequireAndVerifyClientCert")
+        raise WebConfigError(f"tls_server_config.client_auth_type {auth}: not supported (accepts unverified "
+                             "certificates); use RequireAndVerifyClientCert")
     if auth not in _CLIENT_AUTH:
         raise WebConfigError(f"tls_server_config.client_auth_type {auth!r}: expected one of {', '.join(_CLIENT_AUTH)}")
     kw["verify_mode"] = _CLIENT_AUTH[auth]
@@ -195,15 +204,18 @@ def _parse_tls(raw: Any, base: str = "") -> TLSSettings:
         raise WebConfigError(f"tls_server_config.client_auth_type {auth}: needs client_ca_file (or client_ca)")
     if kw["verify_mode"] == ssl.CERT_NONE and has_ca:
         # the toolkit refuses this too: a CA that is never asked for looks like mTLS and is not
-        raise WebConfigError("tls_server_config.client_ca_file (or client_ca): set, but client_auth_type is NoClientCert; set RequireAndVerifyClientCert or VerifyClientCertIfGiven")
+        raise WebConfigError("tls_server_config.client_ca_file (or client_ca): set, but client_auth_type is "
+                             "NoClientCert; set RequireAndVerifyClientCert or VerifyClientCertIfGiven")
     if "client_allowed_sans" in t and t["client_allowed_sans"] is not None:
         sans = t["client_allowed_sans"]
         if not isinstance(sans, list) or not all(isinstance(s, str) and s for s in sans):
             raise WebConfigError("tls_server_config.client_allowed_sans: expected a list of strings")
         if not sans:
-            raise WebConfigError("tls_server_config.client_allowed_sans: empty, which would refuse every client; list the SANs to allow, or leave the key out")
+            raise WebConfigError("tls_server_config.client_allowed_sans: empty, which would refuse every client; list "
+                                 "the SANs to allow, or leave the key out")
         if kw["verify_mode"] != ssl.CERT_REQUIRED:
-            raise WebConfigError("tls_server_config.client_allowed_sans: needs client_auth_type RequireAndVerifyClientCert")
+            raise WebConfigError("tls_server_config.client_allowed_sans: needs client_auth_type "
+                                 "RequireAndVerifyClientCert")
         kw["client_allowed_sans"] = tuple(sans)
     if "prefer_server_cipher_suites" in t:
         if not isinstance(t["prefer_server_cipher_suites"], bool):
@@ -274,7 +286,8 @@ def build_context(s: TLSSettings) -> ssl.SSLContext:
                 ctx.load_verify_locations(cadata=s.client_ca)
             ctx.verify_mode = s.verify_mode
     except (ssl.SSLError, OSError, ValueError) as e:
-        raise WebConfigError(f"tls_server_config: cannot load certificate, key or client CA: {getattr(e, 'strerror', None) or e}") from None
+        raise WebConfigError("tls_server_config: cannot load certificate, key or client CA: "
+                             f"{getattr(e, 'strerror', None) or e}") from None
     return ctx
 
 

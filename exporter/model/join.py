@@ -13,10 +13,18 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ..devices.model import DeviceIdentity, DeviceReading
+from ..devices.model import DeviceIdentity, DeviceReading, Vendor, normalize_pci_bus_id
 from ..health.model import DeviceHealth, Scope
-from ..k8s.model import AllocatedDevice, ClaimInfo, DeviceKey, PodInfo, SliceDevice
-from ..k8s.resolve import AMD_DRIVER, NVIDIA_DRIVER, DeviceIndex, Resolution, resolve, resolve_device_plugin
+from ..k8s.model import ClaimInfo, DeviceKey, PodInfo, SliceDevice
+from ..k8s.resolve import (
+    AMD_DRIVER,
+    NVIDIA_DRIVER,
+    PCI_BUS_ID_ATTR,
+    DeviceIndex,
+    Resolution,
+    resolve,
+    resolve_device_plugin,
+)
 from ..kubelet.model import AllocationSource, ContainerAllocation
 from .snapshot import AllocationView, ClaimView, DeviceView, PublishedDevice, Snapshot
 
@@ -34,15 +42,6 @@ class JoinInputs:
     pods: tuple[PodInfo, ...] = ()
     pod_labels: Mapping[tuple[str, str], Mapping[str, str]] | None = None
     monotonic: float = 0.0  # the cycle's instant on the monotonic clock: what durations are measured on
-
-
-def _allocated_from_claim(claim: ClaimInfo | None, key: DeviceKey) -> AllocatedDevice | None:
-    if claim is None:
-        return None
-    for d in claim.devices:
-        if (d.driver, d.pool, d.device) == key:
-            return d
-    return None
 
 
 def effective_health(uuid: str, parent_uuid: str, health: Mapping[str, DeviceHealth]) -> DeviceHealth:
@@ -80,6 +79,8 @@ class _Structure:
     claims: tuple[ClaimGroup, ...]  # sorted
     unresolved: dict[str, int]
     published: tuple[PublishedDevice, ...] = ()
+    unpublished: dict[str, int] | None = None
+    consumed: dict[tuple[str, str, str], float] | None = None  # Snapshot.consumed
 
 
 class JoinMemo:
@@ -126,6 +127,8 @@ def join(inp: JoinInputs, memo: JoinMemo | None = None) -> Snapshot:
         pod_labels={k: dict(v) for k, v in (inp.pod_labels or {}).items()},
         pod_uids={p.uid: (p.namespace, p.name) for p in inp.pods if p.uid},
         published=structure.published if inp.slices is not None else None,
+        unpublished=dict(structure.unpublished or {}) if inp.slices is not None else {},
+        consumed=structure.consumed or {},
     )
 
 
@@ -145,6 +148,7 @@ def _structure(
     # with a device that resolved here. A node's other DRA drivers (NICs, NVIDIA's
     # compute-domain channels) allocate devices that are no GPU at all: not "unresolved".
     gpu_drivers = {NVIDIA_DRIVER, AMD_DRIVER}
+    consumed: dict[tuple[str, str, str], float] = {}
 
     for a in allocations:
         if a.source == AllocationSource.DRA:
@@ -152,8 +156,13 @@ def _structure(
             rkey = ("dra",) + key
             if rkey not in resolved:
                 claim = claims.get((a.claim_namespace, a.claim_name))
-                resolved[rkey] = resolve(key, slices.get(key), _allocated_from_claim(claim, key), index)
+                resolved[rkey] = resolve(key, slices.get(key), claim.device(*key) if claim else None, index)
             res = resolved[rkey]
+            dev = slices.get(key)
+            if dev is not None and dev.multiple and res.ok and (res.uuid, a.namespace, a.claim_name) not in consumed:
+                amount = _consumed(dev, claims.get((a.claim_namespace, a.claim_name)))
+                if amount is not None:
+                    consumed[(res.uuid, a.namespace, a.claim_name)] = amount
             row = AllocationView(
                 driver=a.driver, pool=a.pool, device=a.device, uuid=res.uuid, namespace=a.namespace, pod=a.pod,
                 container=a.container, claim=a.claim_name, source="dra", method=res.method,
@@ -177,12 +186,27 @@ def _structure(
 
     # Claim metrics are about GPUs: a NIC in a GPU+NIC claim is not one of its devices, and a
     # claim holding no GPU at all (a compute-domain channel, say) is not exported.
+    published = _published(slices, index)
     return _Structure(
         rows=tuple(rows),
         claims=_claim_groups(r for r in rows if r.driver in gpu_drivers),
         unresolved=_unresolved_counts(slices, unresolved, gpu_drivers, _plugin_gpu_resources(rows)),
-        published=_published(slices, index),
+        published=published,
+        unpublished=_unpublished(slices, published, identities),
+        consumed=consumed,
     )
+
+
+def _consumed(dev: SliceDevice, claim: ClaimInfo | None) -> float | None:
+    """What a claim consumed of a device several claims share (KEP-5075 consumedCapacity): its
+    memory, else the first capacity the slice names that the allocation states; summed over the
+    claim's allocations of the device (one per shareID). None when the allocation states none."""
+    if claim is None:
+        return None
+    names = sorted(dev.capacity, key=lambda n: (not n.endswith("/memory"), n))
+    allocs = [d.consumed for d in claim.devices if (d.driver, d.pool, d.device) == dev.key]
+    name = next((n for n in names if any(n in c for c in allocs)), None)
+    return sum(c.get(name, 0.0) for c in allocs) if name is not None else None
 
 
 def _published(slices: Mapping[DeviceKey, SliceDevice], index: DeviceIndex) -> tuple[PublishedDevice, ...]:
@@ -192,12 +216,37 @@ def _published(slices: Mapping[DeviceKey, SliceDevice], index: DeviceIndex) -> t
     for key, dev in sorted(slices.items()):
         res = resolve(key, dev, None, index)
         if not res.ok:
-            out.append(PublishedDevice(*key, "", ""))
+            out.append(PublishedDevice(*key, "", "", dev.taints))
             continue
         ident = index.by_uuid.get(res.uuid)
         # a DynamicMIG partition resolves to its GPU itself (res.uuid == parent_uuid)
-        out.append(PublishedDevice(*key, res.uuid, res.parent_uuid or (ident.physical_uuid if ident is not None else res.uuid)))
+        gpu = res.parent_uuid or (ident.physical_uuid if ident is not None else res.uuid)
+        out.append(PublishedDevice(*key, res.uuid, gpu, dev.taints))
     return tuple(out)
+
+
+_VENDOR_DRIVERS = {Vendor.NVIDIA: NVIDIA_DRIVER, Vendor.AMD: AMD_DRIVER}
+
+
+def _unpublished(
+    slices: Mapping[DeviceKey, SliceDevice], published: tuple[PublishedDevice, ...],
+    identities: tuple[DeviceIdentity, ...]
+) -> dict[str, int]:
+    """Per GPU driver, the physical GPUs the library sees that no device of this driver's slices
+    lives on (the GPU itself, a MIG device or partition of it): invisible to the scheduler. A
+    GPU in MIG mode whose MIG devices are published is published; 0 for a driver with none. A
+    device the resolver cannot pin to one partition (AMD's AutoPartition devices of a GPU in CPX)
+    still names its GPU by PCI address: that GPU is published."""
+    held = {(p.driver, p.gpu) for p in published}
+    held |= {(d.driver, normalize_pci_bus_id(pci))
+             for d in slices.values() if isinstance(pci := d.attr(PCI_BUS_ID_ATTR), str) and pci}
+    seen: dict[tuple[str, str], bool] = {}
+    for i in identities:
+        if (drv := _VENDOR_DRIVERS.get(i.vendor)) is not None:
+            key = (drv, i.physical_uuid)
+            seen[key] = seen.get(key, False) or key in held or (drv, normalize_pci_bus_id(i.pci_bus_id)) in held
+    missing = [drv for (drv, _), ok in seen.items() if not ok]
+    return {drv: missing.count(drv) for drv in sorted({drv for drv, _ in seen})}
 
 
 # Device-plugin resources that are GPUs by name. Others on a GPU node (RDMA, SR-IOV NICs,
@@ -216,7 +265,8 @@ def _plugin_gpu_resources(rows: Iterable[AllocationView]) -> set[str]:
 
 
 def _unresolved_counts(
-    slices: Mapping[DeviceKey, SliceDevice], unresolved: Mapping[str, set[str]], gpu_drivers: set[str], plugin_resources: set[str]
+    slices: Mapping[DeviceKey, SliceDevice], unresolved: Mapping[str, set[str]], gpu_drivers: set[str],
+    plugin_resources: set[str]
 ) -> dict[str, int]:
     """Unresolved GPUs per driver (device-plugin resources are GPU resources by construction),
     with 0 for every GPU driver this node's slices publish: alerts and dashboards can then tell
@@ -279,7 +329,11 @@ def _figures(uuids: tuple[str, ...], by_uuid: Mapping[str, DeviceView]) -> Figur
         if r.memory_total_bytes is not None:
             mem_total[pool] = max(r.memory_total_bytes, mem_total.get(pool, 0))
     # Power is a property of the physical GPU: MIG instances have none of their own.
-    power = [v.reading.power_watts for v in views if v.up and v.reading is not None and v.reading.power_watts is not None and not v.identity.is_partition]
+    power = [
+        v.reading.power_watts
+        for v in views
+        if v.up and v.reading is not None and v.reading.power_watts is not None and not v.identity.is_partition
+    ]
     return (
         (sum(utils) / len(utils)) if utils else None,
         sum(mem_used.values()) if mem_used else None,

@@ -52,7 +52,8 @@ def _identity(dev: SliceDevice, uuid: str, parent: str = "") -> DeviceIdentity:
     )
 
 
-def lost_devices(slices: Mapping[DeviceKey, SliceDevice], identities: Iterable[DeviceIdentity]) -> dict[str, tuple[DeviceIdentity, SliceDevice]]:
+def lost_devices(slices: Mapping[DeviceKey, SliceDevice],
+                 identities: Iterable[DeviceIdentity]) -> dict[str, tuple[DeviceIdentity, SliceDevice]]:
     """uuid -> (rebuilt identity, the slice device that publishes it), for every NVIDIA GPU the
     slices publish and ``identities`` lack, and every MIG device published on such a GPU."""
     local = {i.uuid for i in identities}
@@ -103,12 +104,17 @@ class LostDevices:
         enumerated: bool,
     ) -> tuple[tuple[DeviceIdentity, ...], Mapping[str, DeviceReading]]:
         """The enumerated devices plus the lost ones, each lost one with a ``lost`` reading."""
-        if slices is not None and enumerated and (self._from is None or self._from[1] != identities or not _same_objects(self._from[0], slices)):
+        if (
+            slices is not None
+            and enumerated
+            and (self._from is None or self._from[1] != identities or not _same_objects(self._from[0], slices))
+        ):
             lost = lost_devices(slices, identities)
             self._from = (slices, identities)
             for u in sorted(lost.keys() - self._lost.keys()):
                 ident, dev = lost[u]
-                log.error("gpu_lost_not_enumerated", uuid=u, device=dev.name, pool=dev.pool, parent=ident.parent_uuid or None)
+                log.error("gpu_lost_not_enumerated", uuid=u, device=dev.name, pool=dev.pool,
+                          parent=ident.parent_uuid or None)
             for u in sorted(self._lost.keys() - lost.keys()):
                 log.info("gpu_found_again", uuid=u)
             self._lost = lost
@@ -116,5 +122,7 @@ class LostDevices:
             return identities, readings
         out = dict(readings)
         for u, (_ident, dev) in self._lost.items():
-            out[u] = DeviceReading.failed(u, ReadError.LOST, f"published by ResourceSlice device {dev.pool}/{dev.name} but not found by the device library")
+            out[u] = DeviceReading.failed(u, ReadError.LOST,
+                                          f"published by ResourceSlice device {dev.pool}/{dev.name} but not found by "
+                                          "the device library")
         return identities + tuple(ident for ident, _ in self._lost.values()), out

@@ -15,7 +15,9 @@ from pathlib import Path
 from ..collect import Collector, Gathered, Slot
 from .snapshot import SNAPSHOT, Snapshot
 
-_POD_UID_RE = re.compile(r"pod([0-9a-fA-F]{8}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{12})")
+_POD_UID_RE = re.compile(
+    r"pod([0-9a-fA-F]{8}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{12})"
+)
 
 
 def pod_uid_from_cgroup(text: str) -> str | None:

@@ -12,6 +12,7 @@ from typing import NamedTuple
 from ..collect import Slot
 from ..devices.model import DeviceIdentity, DeviceReading
 from ..health.model import DeviceHealth
+from ..k8s.model import DeviceTaint
 
 
 @dataclass(frozen=True)
@@ -76,17 +77,30 @@ class ClaimView(NamedTuple):
 class PublishedDevice(NamedTuple):
     """A DRA device this node's ResourceSlices publish, resolved: the local device it is
     (``uuid``, "" when it resolves to none here) and the physical GPU it lives on (``gpu``, its
-    fault domain). What the remediator taints."""
+    fault domain). What the remediator taints; ``taints``: what its driver put on it in the slice
+    (never this agent's evidence, never its rules: exported as ``dra_device_taint_info``)."""
 
     driver: str
     pool: str
     device: str
     uuid: str
     gpu: str
+    taints: tuple[DeviceTaint, ...] = ()
 
     @property
     def key(self) -> tuple[str, str, str]:
         return (self.driver, self.pool, self.device)
+
+
+class ReportedDevice(NamedTuple):
+    """A DRA device of this node with the health the kubelet reports for it (KEP-4680, from its
+    pods' status: exporter/k8s/podhealth.py); ``uuid`` is the local device it resolves to, "" for none."""
+
+    driver: str
+    pool: str
+    device: str
+    uuid: str
+    health: str  # Healthy | Unhealthy | Unknown
 
 
 @dataclass(frozen=True)
@@ -102,6 +116,20 @@ class Snapshot:
     # this node's published DRA devices, sorted by key; None while the slices are not listed
     published: tuple[PublishedDevice, ...] | None = None
     monotonic: float = 0.0  # the cycle's instant on the agent's monotonic clock (exporter/clock.py)
+    # (uuid, namespace, claim) -> what the claim consumed of a device several claims share, where
+    # its allocation states it (KEP-5075 consumedCapacity; bytes of memory for NVIDIA's)
+    consumed: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    # the kubelet's health per device, sorted by key; None unless --kubelet-device-health (series absent)
+    reported: tuple[ReportedDevice, ...] | None = None
+    # GPU driver -> physical GPUs the device library sees and no slice of this node publishes
+    # (a GPU counts as published when any device of that driver lives on it); empty while the
+    # slices are not listed
+    unpublished: dict[str, int] = field(default_factory=dict)
+
+    def unpublished_notes(self) -> list[str]:
+        """/readyz's lines for unpublished GPUs: the scheduler cannot allocate them."""
+        return [f"{n} GPU(s) seen by the device library but published by no {drv} ResourceSlice of this node "
+                "(is the DRA driver's kubelet plugin running?)" for drv, n in self.unpublished.items() if n]
 
     def device(self, uuid: str) -> DeviceView | None:
         for d in self.devices:

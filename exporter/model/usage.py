@@ -5,18 +5,32 @@ Fed each cycle's :class:`~exporter.model.snapshot.Snapshot` (and the per-process
 immutable :class:`Usage`. The join stays pure; this is the model layer's one piece of state
 about the past, and it is small: a few floats per claim and pod, kept a while after they go.
 
+**Time** is the cycle's monotonic instant (``Snapshot.monotonic``): a wall-clock step moves no
+bill and no retention.
+
 **What is counted.** Energy comes from the GPUs' own energy counters
-(``DeviceReading.energy_joules``, ``gpu_energy_joules_total``), never from sampled power: each
-cycle, the increase of a physical GPU's counter since its last good reading is split between the
-holders of its devices. A counter that went *down* (driver reload, GPU reset) restarted from 0,
-so its new value is the increase; a GPU that could not be read keeps its last good value, and the
-increase over the gap is split when it reads again; the first reading only sets the mark.
-Device-time is allocation: every second a device is held counts, busy or not.
+(``DeviceReading.energy_joules``, ``gpu_energy_joules_total``), never from sampled power: every
+increase of a physical GPU's counter is split between the holders of its devices, and the
+holders' counters add up to exactly the increase. A counter that went *down* (driver reload, GPU
+reset) restarted from 0, so its new value is the increase; a GPU that could not be read keeps
+its last good value, and the increase over the gap is split when it reads again; the first
+reading only sets the mark. Device-time is allocation: every second a device is held counts,
+busy or not.
 
 **Who gets an interval.** The holders of the devices at the *start* of the interval: what a
 cycle observed stays in effect until the next cycle observes otherwise. So a claim seen by a
 single cycle still gets the interval that follows it, even if it is gone before the next scrape,
 and every new claim's counters start at 0.
+
+**Which interval an energy increase belongs to.** The driver updates some counters only every
+few seconds (the NVML backend re-reads energy every ``slow_counter_period_s``, 10 s), so one
+increase can cover many cycles with different holders. It is split over the intervals since the
+counter last moved, each by its length times the GPU's power measured at its end (NVML's power
+is an average over the second before the reading), and each interval's part between that
+interval's holders. A cycle without a power reading counts the last one; with no power at all
+the split is by time. An unchanged counter is one not re-read yet: the intervals wait for the
+increase. Intervals older than the retention are given up with their mark (the next reading
+starts a new one), so nothing waits longer than that.
 
 **Weights: a device's part of its physical GPU.** A full GPU is 1. A MIG instance is its compute
 slices over the GPU's (``3g.40gb`` on an H100: 3/7; a ``1c.3g.40gb`` compute instance: 1/7; 7 slices
@@ -34,39 +48,52 @@ and in parts at once), each gets its weight's proportion of the GPU.
 **Shares: between the holders of one device.** With per-process figures (``--per-process``), a
 device's usage, memory and energy are split by the memory its holder pods' processes use on it;
 a pod holding the device through several claims splits its part equally between them. Without
-them, or while no holder's process uses memory on the device, equally between the claims (a
-device-plugin pod is one holder of its own), then equally between each claim's pods on that
-device. Device-time is always split the equal way: it is allocation, not use. The parts of every
+them, or while no holder's process uses memory on the device, by allocation: on a device several
+claims share by consumable capacity (KEP-5075), by what each claim's allocation says it consumed
+(``consumedCapacity``, its memory for NVIDIA's ``ConsumableShares``) when every claim states it
+(rule ``capacity``); otherwise equally between the claims (a device-plugin pod is one holder of
+its own); then equally between each claim's pods on that device. Device-time is always split by
+allocation: it is what was allocated, not what was used. The parts of every
 held device add up to 1; what no holder takes (an idle device, unpartitioned slices of a MIG GPU)
 is counted as unattributed.
 
-**How long a gone claim is kept.** ``retention`` (10 minutes) after it was last seen, then its
-series goes. Long enough for any usual scrape interval (up to 5 minutes) to read its final value
-twice, so ``increase()`` sees the last interval; short enough that a node with claim churn keeps
-state (and series) for one retention window of churn, capped at ``max_gone`` entries. A claim
-that comes back within the window continues its counters; after it, it starts again at 0, which
-Prometheus reads as a new counter (``rate``/``increase`` are made for that).
+**How long a gone holder is kept.** ``retention`` (10 minutes of monotonic time) after the last
+cycle that saw it, then its series go; and at most ``max_series`` (10,000) retained series
+counting every kind together (2 per claim, 2 per pod): past that the ones that left first go
+first. A claim that comes back while kept continues its counters; later, it starts again at 0,
+which Prometheus reads as a new counter (``rate``/``increase`` are made for that).
+
+**Cost.** A cycle's work follows the live holders (held now, or gone with energy still to come)
+and what changed, never what is kept: once every energy increase covering its time has come, a
+gone holder's totals are final and go into an immutable block, which costs nothing per cycle
+until it expires (blocks leave oldest first, from a deque).
 """
 
 from __future__ import annotations
 
+import math
 import operator
 import re
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import repeat
+from typing import Any
 
 from ..devices.model import DeviceIdentity, Vendor
 from .snapshot import Snapshot
 
 EQUAL = "equal"
 PER_PROCESS = "per_process"
+CAPACITY = "capacity"
 
 ClaimKey = tuple[str, str]  # (namespace, claim)
 PodKey = tuple[str, str]  # (namespace, pod)
 # One holder's part of one device: (its claim, or None for a device-plugin pod; the pod; the share)
 Part = tuple[ClaimKey | None, PodKey, float]
 ProcessMemory = Mapping[tuple[str, str, str], int]  # (uuid, namespace, pod) -> bytes
+Key = tuple[str, str]
+Cols = tuple[tuple[Key, ...], tuple[float, ...], tuple[float, ...]]  # keys, joules, device-seconds
 
 # Compute slices of a MIG-capable GPU: 7, except the A30's 4 (NVIDIA MIG user guide).
 MIG_SLICES = 7
@@ -82,64 +109,61 @@ class DeviceSplit:
     gpu: str  # the physical GPU whose energy counter the device draws on
     weight: float  # the device's part of its GPU (see the module doc)
     fraction: float  # the part its holders get: the weight, scaled down if the GPU is over-held
-    rule: str  # EQUAL or PER_PROCESS: how ``usage`` was split
+    rule: str  # EQUAL, CAPACITY or PER_PROCESS: how ``usage`` was split
     usage: tuple[Part, ...]  # split of usage, memory and energy; shares add up to 1
-    time: tuple[Part, ...]  # split of allocated time (always equal); shares add up to 1
+    time: tuple[Part, ...]  # split of allocated time (by consumed capacity or equal); shares add up to 1
 
 
 class Totals:
-    """Running totals of one kind of holder (claims or pods), in key order. Column tuples: the
-    renderer pairs them with its cached label tuples without a loop of its own.
+    """Running totals of one kind of holder (claims or pods) as of one cycle, in columns the
+    renderer pairs with its cached label tuples: the gone holders' final totals first (oldest
+    first), then the live ones' in key order.
 
-    Made by the accountant as a *lazy* view (:meth:`lazy`): the values are worked out from the
-    totals as of the last change of holders plus what each GPU and the clock added since, the
-    first time anyone asks, and kept. A cycle that nobody renders costs them nothing. Immutable:
-    a second thread asking at the same time computes the same tuples.
+    A *lazy* view: the live values are worked out from the plan as of the last change plus what
+    each GPU and the clock added since, the first time anyone asks, and kept. A cycle that nobody
+    renders costs them nothing. Immutable: a second thread asking at the same time computes the
+    same tuples.
     """
 
-    __slots__ = ("_joules", "_plan", "_seconds", "keys")
+    __slots__ = ("_amounts", "_elapsed", "_layout", "_values")
 
-    def __init__(self, keys: tuple[tuple[str, str], ...] = (), joules: tuple[float, ...] = (), seconds: tuple[float, ...] = ()) -> None:
-        self.keys = keys  # (namespace, claim) or (namespace, pod), sorted
-        self._joules: tuple[float, ...] | None = joules
-        self._seconds: tuple[float, ...] | None = seconds  # device-seconds
-        self._plan: tuple[_Plan, tuple[float, ...], float] | None = None
+    def __init__(self, layout: _Layout | None = None, amounts: tuple[float, ...] = (0.0,),
+                 elapsed: float = 0.0) -> None:
+        self._layout = layout if layout is not None else _Layout((), _Plan((), {}, {}, ((), ()), (), 0))
+        self._amounts, self._elapsed = amounts, elapsed
+        self._values: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
-    @classmethod
-    def lazy(cls, plan: _Plan, amounts: tuple[float, ...], elapsed: float) -> Totals:
-        t = cls(plan.keys)
-        t._joules = t._seconds = None
-        t._plan = (plan, amounts, elapsed)
-        return t
+    @property
+    def keys(self) -> tuple[Key, ...]:
+        return self._layout.cols()[0]
 
-    def _values(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        joules, seconds = self._joules, self._seconds
-        if joules is None or seconds is None:
-            assert self._plan is not None
-            plan, amounts, elapsed = self._plan
-            joules, seconds = plan.values(amounts, elapsed)
-            self._joules, self._seconds = joules, seconds
-        return joules, seconds
+    def _get(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        v = self._values
+        if v is None:
+            _, joules, seconds = self._layout.cols()
+            live_j, live_s = self._layout.plan.values(self._amounts, self._elapsed)
+            v = self._values = (joules + live_j, seconds + live_s)
+        return v
 
     @property
     def joules(self) -> tuple[float, ...]:
-        return self._values()[0]
+        return self._get()[0]
 
     @property
     def seconds(self) -> tuple[float, ...]:
-        return self._values()[1]
+        return self._get()[1]
 
-    def get(self, key: tuple[str, str]) -> tuple[float, float] | None:
+    def get(self, key: Key) -> tuple[float, float] | None:
         """(joules, device-seconds) of one claim or pod; None if it has no series."""
         try:
             i = self.keys.index(key)
         except ValueError:
             return None
-        joules, seconds = self._values()
+        joules, seconds = self._get()
         return joules[i], seconds[i]
 
-    def as_dict(self) -> dict[tuple[str, str], tuple[float, float]]:
-        joules, seconds = self._values()
+    def as_dict(self) -> dict[Key, tuple[float, float]]:
+        joules, seconds = self._get()
         return {k: (j, s) for k, j, s in zip(self.keys, joules, seconds, strict=True)}
 
 
@@ -198,8 +222,8 @@ def split_devices(snap: Snapshot, process_memory: ProcessMemory | None = None) -
 
 
 # One held device as the allocations and the devices alone make it: (uuid, its GPU, weight,
-# fraction, holder -> its pods, the equal split). What --per-process memory cannot move.
-Held = tuple[str, str, float, float, dict[tuple[str, str, str], set[str]], tuple[Part, ...]]
+# fraction, holder -> its pods, the allocation split, its rule). What --per-process memory cannot move.
+Held = tuple[str, str, float, float, dict[tuple[str, str, str], set[str]], tuple[Part, ...], str]
 
 
 def _holders(snap: Snapshot) -> tuple[Held, ...]:
@@ -222,14 +246,16 @@ def _holders(snap: Snapshot) -> tuple[Held, ...]:
         gpu, w = weights[uuid]
         total = per_gpu[gpu]
         units = held[uuid]
-        out.append((uuid, gpu, w, w / total if total > 1.0 else w, units, _equal(units)))
+        by_capacity = _by_capacity(uuid, units, snap.consumed) if snap.consumed else None
+        split, rule = (by_capacity, CAPACITY) if by_capacity is not None else (_equal(units), EQUAL)
+        out.append((uuid, gpu, w, w / total if total > 1.0 else w, units, split, rule))
     return tuple(out)
 
 
 def _split(holders: tuple[Held, ...], process_memory: ProcessMemory | None) -> tuple[DeviceSplit, ...]:
     out = []
-    for uuid, gpu, w, fraction, units, time in holders:
-        usage, rule = time, EQUAL
+    for uuid, gpu, w, fraction, units, time, allocated_by in holders:
+        usage, rule = time, allocated_by
         if process_memory is not None:
             by_process = _per_process(uuid, units, process_memory)
             if by_process is not None:
@@ -252,7 +278,23 @@ def _equal(units: Mapping[tuple[str, str, str], set[str]]) -> tuple[Part, ...]:
     )
 
 
-def _per_process(uuid: str, units: Mapping[tuple[str, str, str], set[str]], memory: ProcessMemory) -> tuple[Part, ...] | None:
+def _by_capacity(uuid: str, units: Mapping[tuple[str, str, str], set[str]],
+                 consumed: Mapping[tuple[str, str, str], float]) -> tuple[Part, ...] | None:
+    """By what each claim consumed of the device (KEP-5075), then equally between a claim's pods;
+    None unless every holder is a claim whose allocation states an amount."""
+    amounts = [consumed.get((uuid, unit[0], unit[1]), 0.0) if unit[1] else 0.0 for unit in units]
+    total = sum(amounts)
+    if not all(a > 0.0 for a in amounts) or total <= 0.0:
+        return None
+    return tuple(
+        (_claim(unit), (unit[0], pod), a / total / len(pods))
+        for (unit, pods), a in sorted(zip(units.items(), amounts, strict=True))
+        for pod in sorted(pods)
+    )
+
+
+def _per_process(uuid: str, units: Mapping[tuple[str, str, str], set[str]],
+                 memory: ProcessMemory) -> tuple[Part, ...] | None:
     """By the memory each holder pod's processes use on the device; None when none uses any."""
     pod_units: dict[PodKey, list[tuple[str, str, str]]] = {}
     for unit, pods in units.items():
@@ -274,6 +316,11 @@ def _per_process(uuid: str, units: Mapping[tuple[str, str, str], set[str]], memo
 # splits, so a cycle adds one product per claim and pod instead of walking every part.
 Column = tuple[tuple[tuple[str, str], ...], tuple[float, ...]]
 Coefficients = tuple[Column, Column, float]  # claims, pods, the part attributed at all
+
+
+def _column(coef: Coefficients, kind: int) -> Column:
+    """The claims' (kind 0) or the pods' (1) column of ``coef``."""
+    return coef[1] if kind else coef[0]
 
 
 def _coefficients(splits: Iterable[DeviceSplit], time: bool) -> Coefficients:
@@ -303,7 +350,8 @@ class _Plan:
 
     __slots__ = ("base_joules", "base_seconds", "coef", "extra", "keys", "src", "time")
 
-    def __init__(self, keys: tuple[tuple[str, str], ...], joules: Mapping[tuple[str, str], float], seconds: Mapping[tuple[str, str], float],
+    def __init__(self, keys: tuple[tuple[str, str], ...], joules: Mapping[tuple[str, str], float],
+                 seconds: Mapping[tuple[str, str], float],
                  time: Column, gpus: Iterable[Column], zero_slot: int) -> None:
         self.keys = keys
         get_j, get_s = joules.__getitem__, seconds.__getitem__
@@ -355,55 +403,127 @@ def _picker(slots: list[int]) -> Callable[[tuple[float, ...]], tuple[float, ...]
     return lambda amounts: tuple(amounts[i] for i in slots)
 
 
-class _Running:
-    """The totals of one kind of holder as of the last plan, with who holds now and who went when."""
+class _Layout:
+    """One kind's series as of the last change: the final blocks' columns and the live plan.
+    Joined the first time they are rendered and kept, so a cycle that changes nothing hands
+    the renderer the same keys (and it reuses its label tuples)."""
 
-    __slots__ = ("gone", "joules", "keys", "seconds")
+    __slots__ = ("_cols", "blocks", "plan")
+
+    def __init__(self, blocks: tuple[Cols, ...], plan: _Plan) -> None:
+        self.blocks, self.plan = blocks, plan
+        self._cols: Cols | None = None
+
+    def cols(self) -> Cols:
+        c = self._cols
+        if c is None:
+            keys: list[Key] = []
+            joules: list[float] = []
+            seconds: list[float] = []
+            for k, j, s in self.blocks:
+                keys += k
+                joules += j
+                seconds += s
+            c = self._cols = (tuple(keys) + self.plan.keys, tuple(joules), tuple(seconds))
+        return c
+
+
+class _Gpu:
+    """One physical GPU's energy counter: its mark, and the intervals since the counter last
+    moved, each [its holders' coefficients, length, length x power] (a run of intervals with the
+    same holders is one entry)."""
+
+    __slots__ = ("coef", "mark", "planned", "power", "since", "slot", "window")
 
     def __init__(self) -> None:
-        self.joules: dict[tuple[str, str], float] = {}
-        self.seconds: dict[tuple[str, str], float] = {}
-        self.keys: tuple[tuple[str, str], ...] = ()  # every key with a series, sorted
-        self.gone: dict[tuple[str, str], float] = {}  # key -> when it was last held
+        self.mark: float | None = None
+        self.since = 0.0  # the instant of the mark: every interval still waiting starts at or after it
+        self.window: list[list[Any]] = []
+        self.coef: Coefficients = _NONE  # the holders of the last cycle: they get the next interval
+        self.planned: Coefficients | None = None  # the coefficients of the GPU's column in the plan
+        self.slot = -1
+        self.power = 0.0  # the last power measured
 
-    def hold(self, current: set[tuple[str, str]], prev_t: float | None, now: float) -> None:
-        """The holders changed: new ones start at 0 (or continue, back within the retention);
-        the ones that left were last held at the previous cycle."""
-        joules, seconds, gone = self.joules, self.seconds, self.gone
-        for k in current:
-            if k not in joules:
+
+class _Block:
+    """The holders that became final at one cycle, both kinds: immutable columns each."""
+
+    __slots__ = ("cols", "expires")
+
+    def __init__(self, expires: float, cols: list[Cols]) -> None:
+        self.expires, self.cols = expires, cols
+
+    def remove(self, kind: int, keys: set[Key]) -> None:
+        k, j, s = self.cols[kind]
+        keep = [i for i, key in enumerate(k) if key not in keys]
+        self.cols[kind] = (tuple(k[i] for i in keep), tuple(j[i] for i in keep), tuple(s[i] for i in keep))
+
+
+class _Book:
+    """One kind of holder (claims or pods): the live ones' totals as of the last plan (held now,
+    or gone with energy still to come), the gone ones in the order they left, and where each
+    final one is kept."""
+
+    __slots__ = ("active", "gone", "joules", "kind", "seconds", "waiting", "where")
+
+    def __init__(self, kind: int) -> None:
+        self.kind = kind  # 0 claims, 1 pods: the part of a block and of a coefficient that is theirs
+        self.joules: dict[Key, float] = {}
+        self.seconds: dict[Key, float] = {}
+        self.active: set[Key] = set()
+        self.gone: dict[Key, float] = {}  # live but gone: key -> the last cycle that held it
+        self.waiting: deque[tuple[float, Key]] = deque()  # (when it was last held, key), in that order
+        self.where: dict[Key, _Block] = {}  # final -> its block
+
+    def hold(self, current: set[Key], last_seen: float) -> tuple[int, bool]:
+        """The holders changed: new ones start at 0, kept ones continue; the ones that left were
+        last held at ``last_seen``. How many more are kept now, and whether a block lost some."""
+        joules, seconds, gone, kind = self.joules, self.seconds, self.gone, self.kind
+        came: dict[_Block, set[Key]] = {}
+        kept = 0
+        for k in current - self.active:
+            if k in gone:
+                del gone[k]  # its entry in ``waiting`` is stale now
+                kept -= 1
+            elif (b := self.where.pop(k, None)) is not None:
+                came.setdefault(b, set()).add(k)
+                kept -= 1
+            else:
                 joules[k] = seconds[k] = 0.0
-            gone.pop(k, None)
-        left = prev_t if prev_t is not None else now
-        for k in joules:
-            if k not in current and k not in gone:
-                gone[k] = left
-        # holding only adds keys: none added, the same keys keep their tuple (the renderer's
-        # label tuples are remade when it is another)
-        if len(joules) != len(self.keys):
-            self.keys = tuple(sorted(joules))
+        for b, keys in came.items():
+            for k, j, s in zip(*b.cols[kind], strict=True):
+                if k in keys:
+                    joules[k], seconds[k] = j, s
+            b.remove(kind, keys)
+        for k in self.active - current:
+            gone[k] = last_seen
+            self.waiting.append((last_seen, k))
+            kept += 1
+        self.active = current
+        return kept, bool(came)
 
-    def fold(self, plan: _Plan, amounts: tuple[float, ...], elapsed: float) -> None:
-        """Take what the sources added under ``plan`` into the totals: the values it gives now."""
-        joules, seconds = plan.values(amounts, elapsed)
-        self.joules.update(zip(plan.keys, joules, strict=True))
-        self.seconds.update(zip(plan.keys, seconds, strict=True))
+    def ripe(self, before: float) -> list[tuple[float, Key]]:
+        """The gone holders last held before ``before``, taken out of the live ones, oldest first."""
+        out = []
+        waiting, gone = self.waiting, self.gone
+        while waiting and waiting[0][0] < before:
+            t, k = waiting.popleft()
+            if gone.get(k) == t:
+                del gone[k]
+                out.append((t, k))
+        return out
 
-    def expiring(self, now: float, retention: float, max_gone: int) -> list[tuple[str, str]]:
-        gone = self.gone
-        if not gone:
-            return []
-        drop = [k for k, t in gone.items() if now - t > retention]
-        if len(gone) - len(drop) > max_gone:  # a churn storm: keep the most recent
-            kept = sorted(((t, k) for k, t in gone.items() if now - t <= retention), reverse=True)
-            drop += [k for _, k in kept[max_gone:]]
-        return drop
+    def final(self, ripe: list[tuple[float, Key]]) -> Cols:
+        keys = tuple(k for _, k in ripe)
+        pop_j, pop_s = self.joules.pop, self.seconds.pop
+        return keys, tuple(map(pop_j, keys)), tuple(map(pop_s, keys))
 
-    def drop(self, keys: list[tuple[str, str]]) -> None:
-        if keys:
-            for k in keys:
-                del self.gone[k], self.joules[k], self.seconds[k]
-            self.keys = tuple(sorted(self.joules))
+    def forget(self, keys: Iterable[Key]) -> None:
+        for k in keys:
+            self.joules.pop(k, None)
+            self.seconds.pop(k, None)
+            self.gone.pop(k, None)
+            self.where.pop(k, None)
 
 
 class UsageAccountant:
@@ -413,22 +533,25 @@ class UsageAccountant:
     needs not be: what it hands out is immutable.
 
     A steady cycle (holders and devices as before, readings moving) adds one number per physical
-    GPU and one for the clock: each GPU's energy increase is split by the coefficients of its
-    last good reading, and while those stay the same the split of a sum is the sum of the splits,
-    so the increases are summed per GPU (and the intervals summed) and split only when a total is
-    asked for (:class:`_Plan`, :class:`Totals`). When any coefficient or the set of holders
-    changes, what was summed under the old ones is split into the totals first (``fold``).
+    GPU and one for the clock: each GPU's energy increase goes to the column of its holders, and
+    while those stay the same the split of a sum is the sum of the splits, so the increases are
+    summed per GPU (and the intervals summed) and split only when a total is asked for
+    (:class:`_Plan`, :class:`Totals`). When the holders change, what was summed is folded into the
+    live totals and a new plan is made over the live holders only; an increase owed to holders of
+    an earlier cycle is credited to them directly. Gone holders whose totals are final leave the
+    plan for a block (see the module doc).
     """
 
-    def __init__(self, retention: float = 600.0, max_gone: int = 10_000) -> None:
+    def __init__(self, retention: float = 600.0, max_series: int = 10_000) -> None:
         self.retention = retention
-        self.max_gone = max_gone
-        self._claims = _Running()
-        self._pods = _Running()
+        self.max_series = max_series
+        self._books = (_Book(0), _Book(1))  # claims, pods
+        self._blocks: deque[_Block] = deque()
+        self._blocks_touched = False  # a block lost holders that came back
+        self._kept = 0  # gone holders of both kinds, live or final: 2 series each
         self._prev_t: float | None = None
         self._time_coef: Coefficients = _NONE  # the holders at the last cycle, for the interval since
-        # physical GPU -> (energy counter at its last good reading, the GPU's energy coefficients then)
-        self._energy: dict[str, tuple[float, Coefficients]] = {}
+        self._gpus: dict[str, _Gpu] = {}
         self._integrated = 0.0
         self._unattributed = 0.0
         # the last splits and what they were made from (the join hands back the very same
@@ -438,90 +561,211 @@ class UsageAccountant:
         self._split_time_coef: Coefficients = _NONE  # of the current splits
         self._physical: tuple[tuple[str, int], ...] = ()  # (uuid, position in snap.devices) of each physical GPU
         # Since the plans were made: each GPU's summed energy increases (by slot, the last one
-        # always 0.0) and the summed intervals. A GPU's slot exists while it has a mark.
-        self._slot: dict[str, int] = {}
+        # always 0.0) and the summed intervals.
         self._amounts: list[float] = [0.0]
         self._elapsed = 0.0
-        self._plans: tuple[_Plan, _Plan] | None = None  # claims', pods'
+        self._layouts: tuple[_Layout, _Layout] | None = None  # claims', pods'
+
+    @property
+    def retained_series(self) -> int:
+        """Series of gone holders kept now (2 per claim, 2 per pod): at most ``max_series``."""
+        return 2 * self._kept
 
     def update(self, snap: Snapshot, process_memory: ProcessMemory | None = None) -> Usage:
-        now = snap.timestamp
+        now = snap.monotonic
         prev = self._prev_t
         splits, changed = self._splits(snap, process_memory, prev, now)
-        claims, pods = self._claims, self._pods
-
-        # allocated time since the last cycle, to the holders of that cycle
-        if prev is not None and now > prev:
-            self._elapsed += now - prev
-        if prev is None or now >= prev:
+        # a cycle whose clock is behind the last one counts no time, and the holders of the last
+        # one keep the interval
+        advance = prev is None or now >= prev
+        dt = now - prev if prev is not None and now > prev else 0.0
+        if advance:
             self._prev_t = now
+            self._elapsed += dt
             if self._time_coef is not self._split_time_coef:
                 self._time_coef = self._split_time_coef
                 changed = True
-
-        # energy increases since each GPU's last good reading, to the holders of that reading
-        gpu_coef, energy, amounts, slot = self._gpu_coef, self._energy, self._amounts, self._slot
-        devices = snap.devices
+        credits: list[tuple[Coefficients, float]] = []  # owed to the holders of earlier cycles
+        gpus, devices, gpu_coef = self._gpus, snap.devices, self._gpu_coef
         for uuid, i in self._physical:
+            g = gpus.get(uuid)
+            if g is None:
+                g = gpus[uuid] = _Gpu()
             r = devices[i].reading
-            e = r.energy_joules if r is not None and r.ok else None
-            if e is None or not e >= 0.0:  # no reading, not supported, or NaN
-                continue
-            last = energy.get(uuid)
-            coef = gpu_coef.get(uuid, _NONE)
-            energy[uuid] = (e, coef)
-            if last is None:
-                changed = True  # the first reading: a mark to count from (and a new source)
-                continue
-            if coef is not last[1]:
-                changed = True  # the increases from now on go to other holders
-            delta = e - last[0] if e >= last[0] else e  # went down: the counter restarted from 0
-            if delta <= 0.0:
-                continue
-            amounts[slot[uuid]] += delta
-            self._integrated += delta
-            self._unattributed += delta - delta * last[1][2]
-        if len(energy) > len(self._physical):
-            present = {u for u, _ in self._physical}
-            for gone in [u for u in energy if u not in present]:
-                del energy[gone]
+            ok = r is not None and r.ok
+            e = r.energy_joules if r is not None and ok else None
+            moved = e is not None and e >= 0.0 and e != g.mark
+            if advance:
+                p = r.power_watts if r is not None and ok else None
+                if p is not None and p >= 0.0 and not math.isinf(p):  # NaN fails the >=
+                    g.power = p
+                # an interval the counter covers alone needs no entry: the increase is all its
+                if g.mark is not None and dt > 0.0 and (g.window or not moved):
+                    w = g.window
+                    if w and w[-1][0] is g.coef:
+                        w[-1][1] += dt
+                        w[-1][2] += dt * g.power
+                    else:
+                        w.append([g.coef, dt, dt * g.power])
+            if moved and e is not None:
+                if g.mark is None:
+                    changed = True  # the first reading: a mark to count from (and a new source)
+                else:
+                    self._settle(g, e - g.mark if e > g.mark else e, credits)
+                g.mark, g.since = e, now
+                if g.window:
+                    g.window = []
+            elif g.mark is not None and now - g.since > self.retention:
+                g.mark, g.window = None, []  # not moved for a whole retention: give it up
                 changed = True
-
-        drop_claims = claims.expiring(now, self.retention, self.max_gone)
-        drop_pods = pods.expiring(now, self.retention, self.max_gone)
-        if changed or drop_claims or drop_pods or self._plans is None:
-            self._replan(drop_claims, drop_pods)
-        plans, totals, elapsed = self._plans, tuple(self._amounts), self._elapsed
-        assert plans is not None
+            if advance:
+                coef = gpu_coef.get(uuid, _NONE)
+                if coef is not g.coef:
+                    g.coef = coef
+                    changed = True  # the intervals from now on go to other holders
+        if len(gpus) > len(self._physical):
+            present = {u for u, _ in self._physical}
+            for gone in [u for u in gpus if u not in present]:
+                del gpus[gone]
+                changed = True
+        if changed or credits or self._layouts is None or self._due(now):
+            self._replan(now, credits)
+        layouts, amounts, elapsed = self._layouts, tuple(self._amounts), self._elapsed
+        assert layouts is not None
         return Usage(
-            timestamp=now,
-            claims=Totals.lazy(plans[0], totals, elapsed),
-            pods=Totals.lazy(plans[1], totals, elapsed),
+            timestamp=snap.timestamp,
+            claims=Totals(layouts[0], amounts, elapsed),
+            pods=Totals(layouts[1], amounts, elapsed),
             splits=splits,
             integrated_joules=self._integrated,
             unattributed_joules=max(0.0, self._unattributed),
         )
 
-    def _replan(self, drop_claims: list[tuple[str, str]], drop_pods: list[tuple[str, str]]) -> None:
-        """Fold what was summed under the old plans into the totals, then plan anew from zero."""
-        amounts, elapsed = tuple(self._amounts), self._elapsed
-        if self._plans is not None:
-            self._claims.fold(self._plans[0], amounts, elapsed)
-            self._pods.fold(self._plans[1], amounts, elapsed)
-        self._claims.drop(drop_claims)
-        self._pods.drop(drop_pods)
-        sources = list(self._energy)
-        self._slot = {u: i for i, u in enumerate(sources)}
-        self._amounts = [0.0] * (len(sources) + 1)
-        self._elapsed = 0.0
-        coefs = [self._energy[u][1] for u in sources]
-        c, p = self._claims, self._pods
-        self._plans = (
-            _Plan(c.keys, c.joules, c.seconds, self._time_coef[0], (k[0] for k in coefs), len(sources)),
-            _Plan(p.keys, p.joules, p.seconds, self._time_coef[1], (k[1] for k in coefs), len(sources)),
-        )
+    def _settle(self, g: _Gpu, delta: float, credits: list[tuple[Coefficients, float]]) -> None:
+        """Split a counter's increase over the intervals it covers (see the module doc)."""
+        window = g.window
+        if not window:  # one interval (or none: no time passed): the last holders'
+            self._take(g, g.coef, delta, credits)
+            return
+        col = 2 if sum(x[2] for x in window) > 0.0 else 1
+        total = sum(x[col] for x in window)
+        left = delta
+        for n, entry in enumerate(window):
+            # the last part is what is left, so the parts add up to the increase exactly
+            part = left if n == len(window) - 1 else min(left, delta * entry[col] / total)
+            left -= part
+            self._take(g, entry[0], part, credits)
 
-    def _splits(self, snap: Snapshot, process_memory: ProcessMemory | None, prev: float | None, now: float) -> tuple[tuple[DeviceSplit, ...], bool]:
+    def _take(self, g: _Gpu, coef: Coefficients, part: float, credits: list[tuple[Coefficients, float]]) -> None:
+        """An interval's part of an increase, to its holders: summed in the GPU's plan column
+        while they are the plan's, else credited at the next replan."""
+        if coef is g.planned:
+            self._amounts[g.slot] += part
+        elif coef[2] > 0.0:
+            credits.append((coef, part))
+        self._integrated += part
+        self._unattributed += part - part * coef[2]
+
+    def _due(self, now: float) -> bool:
+        """Whether a gone holder's totals became final or a kept one expires."""
+        horizon = self._horizon()
+        for b in self._books:
+            if b.waiting and (b.waiting[0][0] < horizon or b.waiting[0][0] + self.retention < now):
+                return True
+        return bool(self._blocks) and self._blocks[0].expires < now
+
+    def _horizon(self) -> float:
+        """A holder last seen before this has all its totals: the intervals that start before it
+        have had their time (the last cycle's) and their energy (every GPU's mark)."""
+        last = self._prev_t if self._prev_t is not None else -math.inf
+        return min(last, min((g.since for g in self._gpus.values() if g.mark is not None), default=last))
+
+    def _replan(self, now: float, credits: list[tuple[Coefficients, float]]) -> None:
+        """Fold what was summed under the old plans into the totals, credit what earlier holders
+        are owed, move the final ones to a block, let the expired go, then plan anew from zero."""
+        amounts, elapsed = tuple(self._amounts), self._elapsed
+        books = self._books
+        if self._layouts is not None:
+            for book, layout in zip(books, self._layouts, strict=True):
+                joules, seconds = layout.plan.values(amounts, elapsed)
+                book.joules.update(zip(layout.plan.keys, joules, strict=True))
+                book.seconds.update(zip(layout.plan.keys, seconds, strict=True))
+        for coef, part in credits:
+            for book, (keys, coefs) in zip(books, coef[:2], strict=False):
+                totals = book.joules
+                for k, c in zip(keys, coefs, strict=True):
+                    if k in totals:  # not dropped by the cap meanwhile
+                        totals[k] += c * part
+        blocks_changed = self._retire(now) or self._blocks_touched
+        self._blocks_touched = False
+        live: list[_Gpu] = []
+        for g in self._gpus.values():
+            if g.mark is not None:
+                g.slot, g.planned = len(live), g.coef
+                live.append(g)
+            else:
+                g.slot, g.planned = -1, None
+        self._amounts = [0.0] * (len(live) + 1)
+        self._elapsed = 0.0
+        old = self._layouts
+        layouts = []
+        for kind, book in enumerate(books):
+            keys = tuple(sorted(book.joules))
+            if old is not None and keys == old[kind].plan.keys:
+                keys = old[kind].plan.keys  # the same tuple: the renderer keeps its labels
+            cols = (_column(g.coef, kind) for g in live)
+            plan = _Plan(keys, book.joules, book.seconds, _column(self._time_coef, kind), cols, len(live))
+            blocks = old[kind].blocks if old is not None and not blocks_changed else tuple(
+                col for b in self._blocks if (col := b.cols[kind])[0]
+            )
+            layouts.append(_Layout(blocks, plan))
+        self._layouts = (layouts[0], layouts[1])
+
+    def _retire(self, now: float) -> bool:
+        """Final holders into a block, expired and over-the-cap ones out; whether blocks changed."""
+        books, blocks, retention = self._books, self._blocks, self.retention
+        horizon = self._horizon()
+        ripe = [b.ripe(horizon) for b in books]
+        changed = False
+        if ripe[0] or ripe[1]:
+            last = max(t for r in ripe for t, _ in r[-1:])
+            block = _Block(last + retention, [b.final(r) for b, r in zip(books, ripe, strict=True)])
+            for book, cols in zip(books, block.cols, strict=True):
+                book.where.update(zip(cols[0], repeat(block)))
+            blocks.append(block)
+            changed = True
+        while blocks and (blocks[0].expires < now or 2 * self._kept > self.max_series):
+            b = blocks[0]
+            over = (2 * self._kept - self.max_series + 1) // 2 if blocks[0].expires >= now else None
+            for kind, book in enumerate(books):
+                keys = b.cols[kind][0]
+                drop = keys if over is None else keys[:over]
+                if over is not None:
+                    over -= len(drop)
+                book.forget(drop)
+                self._kept -= len(drop)
+                if drop:
+                    ks, js, secs = b.cols[kind]
+                    b.cols[kind] = (ks[len(drop):], js[len(drop):], secs[len(drop):])
+            if not b.cols[0][0] and not b.cols[1][0]:
+                blocks.popleft()
+            changed = True
+        # gone holders whose energy is still to come: expired, or over the cap (oldest first)
+        while True:
+            heads = [(b.waiting[0], b) for b in books if b.waiting]
+            if not heads:
+                break
+            (t, k), book = min(heads, key=operator.itemgetter(0))
+            if t + retention >= now and 2 * self._kept <= self.max_series:
+                break
+            book.waiting.popleft()
+            if book.gone.get(k) == t:
+                book.forget((k,))
+                self._kept -= 1
+        return changed
+
+    def _splits(self, snap: Snapshot, process_memory: ProcessMemory | None, prev: float | None,
+                now: float) -> tuple[tuple[DeviceSplit, ...], bool]:
         """This cycle's splits, remade only when the holders, the devices or the process memory
         moved (only the per-process usage splits when only the memory did); and whether they were."""
         idents = [d.identity for d in snap.devices]
@@ -534,7 +778,8 @@ class UsageAccountant:
         else:
             holders = _holders(snap)
         splits = _split(holders, process_memory)
-        self._memo = (snap.allocations, idents, None if process_memory is None else dict(process_memory), splits, holders)
+        self._memo = (snap.allocations, idents, None if process_memory is None else dict(process_memory), splits,
+                      holders)
         by_gpu: dict[str, list[DeviceSplit]] = {}
         for s in splits:
             by_gpu.setdefault(s.gpu, []).append(s)
@@ -554,8 +799,11 @@ class UsageAccountant:
                 if claim is not None:
                     claims.add(claim)
                 pods.add(pod)
-        self._claims.hold(claims, prev, now)
-        self._pods.hold(pods, prev, now)
+        last_seen = prev if prev is not None else now
+        for book, current in zip(self._books, (claims, pods), strict=True):
+            kept, touched = book.hold(current, last_seen)
+            self._kept += kept
+            self._blocks_touched |= touched
         return splits, True
 
 

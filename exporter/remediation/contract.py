@@ -187,6 +187,9 @@ class TaintRuleView:
     device: str
     effect: str
     tier: str
+    uuid: str = ""  # the local device the rule was written for
+    key: str = ""  # the taint as written: gpu-health.dra-gpu-exporter.io/<tier>
+    value: str = ""  # the reason, squeezed into a label value
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ..health.model import Scope
 from ..k8s.model import DeviceKey
+from ..k8s.names import label_value, taint_key
 from ..k8s.taintrules import TaintRule
 from .contract import Effect, TaintRuleView
 
@@ -176,7 +177,8 @@ class OwnedRules:
     def views(self) -> tuple[TaintRuleView, ...]:
         with self._lock:
             return tuple(
-                TaintRuleView(driver=r.driver, pool=r.pool, device=r.device, effect=r.effect, tier=r.tier)
+                TaintRuleView(r.driver, r.pool, r.device, r.effect, r.tier, r.uuid, taint_key(r.tier),
+                              label_value(r.reason))
                 for r in sorted(self._rules.values(), key=lambda r: r.key)
                 if not r.virtual
             )

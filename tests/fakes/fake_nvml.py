@@ -71,6 +71,8 @@ FI_PCIE_REPLAY = 94
 FI_REMAPPED_COR, FI_REMAPPED_UNC, FI_REMAPPED_PENDING, FI_REMAPPED_FAILURE = 142, 143, 144, 145
 FI_POWER_AVERAGE, FI_POWER_INSTANT = 185, 186
 FI_RECOVERY_ACTION = 230
+# NVML_FI_DEV_PERF_POLICY_* (throttle time, ns) -> the NVML_PERF_POLICY_* nvmlDeviceGetViolationStatus takes
+FI_PERF_POLICY = {74: 0, 75: 1, 76: 2, 77: 3, 78: 4, 79: 5, 80: 10, 81: 11}
 _FIELD_TYPES = {
     FI_ECC_SBE_VOL: 3, FI_ECC_DBE_VOL: 3, FI_ECC_SBE_AGG: 3, FI_ECC_DBE_AGG: 3,
     FI_RETIRED_SBE: 3, FI_RETIRED_DBE: 3, FI_RETIRED_PENDING: 1,
@@ -172,6 +174,7 @@ class FakeGpu:
             FI_MEMORY_TEMP: self.temperature_c + 5, FI_ENERGY: self.energy_mj, FI_PCIE_REPLAY: 0,
             FI_REMAPPED_COR: 0, FI_REMAPPED_UNC: 0, FI_REMAPPED_PENDING: 0, FI_REMAPPED_FAILURE: 0,
             FI_POWER_AVERAGE: self.power_mw, FI_POWER_INSTANT: self.power_mw, FI_RECOVERY_ACTION: 0,
+            **dict.fromkeys(FI_PERF_POLICY, 0),
         }  # fmt: skip
         vals.update(self.fields)
         return vals
@@ -213,6 +216,8 @@ class FakeGpu:
             "nvmlDeviceGetSupportedEventTypes": [ok(self.supported_events)],
             "nvmlGpmQueryDeviceSupport": [ok(1 if self.gpm_supported else 0)],
         }  # fmt: skip
+        for fid, policy in FI_PERF_POLICY.items():
+            c[f"nvmlDeviceGetViolationStatus:{policy}"] = [fld(fid)]
         remap = [fv.get(i) for i in (FI_REMAPPED_COR, FI_REMAPPED_UNC, FI_REMAPPED_PENDING, FI_REMAPPED_FAILURE)]
         c["nvmlDeviceGetRemappedRows"] = [ok(remap) if None not in remap else err(NOT_SUPPORTED)]
         if self.mig_mode is None:
@@ -813,6 +818,13 @@ class FakeNvml:
 
     def nvmlDeviceGetPcieReplayCounter(self, h: Any, ref: Any) -> int:
         return self._out_scalar("nvmlDeviceGetPcieReplayCounter", h, ref)
+
+    def nvmlDeviceGetViolationStatus(self, h: Any, policy: Any, ref: Any) -> int:
+        rc, v = self._get("nvmlDeviceGetViolationStatus", self._dev(h), f"nvmlDeviceGetViolationStatus:{_int(policy)}")
+        if rc == SUCCESS:
+            ref._obj.referenceTime = 1_700_000_000_000_000 + self.cycle  # CPU timestamp, us
+            ref._obj.violationTime = int(v)
+        return rc
 
     # ---- processes -------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ utilization (not on MIG), memory (``_v2`` -> v1), GPU temperature (``Temperature
 ``GetTemperature``), SM/memory clocks, clock event reasons, running compute processes; one
 batched ``nvmlDeviceGetFieldValues`` call for everything that has a field id (energy, average
 power, memory temperature, ECC volatile and aggregate totals, retired pages, remapped rows,
-PCIe replays, GPU recovery action); GPM (Hopper+) SM active, SM occupancy, tensor active, DRAM
+PCIe replays, GPU recovery action, throttle time per reason); GPM (Hopper+) SM active, SM occupancy, tensor active, DRAM
 active from the previous cycle's sample and this one's.
 
 Failures: a call a device does not support is remembered per device and not retried until the

@@ -69,6 +69,7 @@ __all__ = [
     "POWER_SCOPE_GPU",
     "SLOW_FIELDS",
     "SUCCESS",
+    "THROTTLE_FIELDS",
     "UNSUPPORTED",
     "address",
     "decode_batch",
@@ -120,13 +121,24 @@ FI_REMAPPED_COR, FI_REMAPPED_UNC, FI_REMAPPED_PENDING, FI_REMAPPED_FAILURE = 142
 FI_POWER_AVERAGE = 185
 POWER_SCOPE_GPU = 0
 FI_RECOVERY_ACTION = 230
+#: Time the clocks were held down, per reason: (field id, NVML_PERF_POLICY_* for the direct call
+#: nvmlDeviceGetViolationStatus, the ``reason`` label). Nanoseconds since the driver loaded. The
+#: fields are what NVML 13 points to from the deprecated call; the last two are totals (below
+#: application clocks by any limiter, below base clocks), not reasons of their own.
+THROTTLE_FIELDS: tuple[tuple[int, int, str], ...] = (
+    (74, 0, "power"), (75, 1, "thermal"), (76, 2, "sync_boost"), (77, 3, "board_limit"),
+    (78, 4, "low_utilization"), (79, 5, "reliability"), (80, 10, "total_app_clocks"), (81, 11, "total_base_clocks"),
+)  # fmt: skip
 
 #: Fields the driver answers slowly, read at most once per ``slow_counter_period_s``; between
-#: reads the last value is reported (both are counters, so rate() over them is unchanged).
+#: reads the last value is reported (all are counters, so rate() over them is unchanged).
 #: Measured on an H100 (driver 580.159.04, bench/nvml_hardware.py): the total-energy field costs
 #: 3.2 ms of CPU per call and the PCIe replay counter 0.13 ms, every other field 2-7 us, so the
 #: energy field alone was two thirds of a GPU's read and most of the agent's CPU at 1 s.
-SLOW_FIELDS: frozenset[int] = frozenset({FI_ENERGY, FI_PCIE_REPLAY})
+#: The throttle-time fields are not measured on hardware yet (bench/nvml_hardware.py times each
+#: field of FIELD_REQUESTS): until they are, they are read on the slow schedule too, which costs
+#: counters read through rate() over minutes nothing.
+SLOW_FIELDS: frozenset[int] = frozenset({FI_ENERGY, FI_PCIE_REPLAY, *(f for f, _, _ in THROTTLE_FIELDS)})
 
 #: (field id, scope id) requested in the one batched call per full GPU
 FIELD_REQUESTS: tuple[tuple[int, int], ...] = tuple(
@@ -136,7 +148,7 @@ FIELD_REQUESTS: tuple[tuple[int, int], ...] = tuple(
         FI_ECC_SBE_VOL, FI_ECC_DBE_VOL, FI_ECC_SBE_AGG, FI_ECC_DBE_AGG,
         FI_RETIRED_SBE, FI_RETIRED_DBE, FI_RETIRED_PENDING,
         FI_REMAPPED_COR, FI_REMAPPED_UNC, FI_REMAPPED_PENDING, FI_REMAPPED_FAILURE,
-        FI_PCIE_REPLAY, FI_RECOVERY_ACTION,
+        FI_PCIE_REPLAY, FI_RECOVERY_ACTION, *(f for f, _, _ in THROTTLE_FIELDS),
     )
 )  # fmt: skip
 FIELD_IDS: tuple[int, ...] = tuple(f for f, _ in FIELD_REQUESTS)

@@ -36,7 +36,8 @@ class NvmlBackend(DeviceBackend):
         self._registry = DeviceRegistry(gpm=gpm, processes=processes)
         self._calls = Calls(clock=clock, slow_period=slow_counter_period_s, lock_timeout_s=lock_timeout_s)
         self._events: EventThread = EventThread("nvml-events")
-        self._nvml_events = NvmlEvents(self._registry, self._events, wait_ms=event_wait_ms, on_mig_change=self.invalidate)
+        self._nvml_events = NvmlEvents(self._registry, self._events, wait_ms=event_wait_ms,
+                                       on_mig_change=self.invalidate)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 

@@ -49,7 +49,11 @@ def memory_info(handle: Any, uuid: str) -> Any:
     """Memory info at enumeration: v2 (``used`` excludes driver-reserved memory), else v1."""
     for version in (getattr(pynvml, "nvmlMemory_v2", None), None):
         try:
-            return pynvml.nvmlDeviceGetMemoryInfo(handle, version=version) if version else pynvml.nvmlDeviceGetMemoryInfo(handle)
+            return (
+                pynvml.nvmlDeviceGetMemoryInfo(handle, version=version)
+                if version
+                else pynvml.nvmlDeviceGetMemoryInfo(handle)
+            )
         except pynvml.NVMLError as exc:
             log.debug("nvml_memory_info_failed", uuid=uuid, v2=bool(version), error=str(exc))
     return None
@@ -131,7 +135,8 @@ class DeviceRegistry:
                 uuid = str(pynvml.nvmlDeviceGetUUID(handle))
             except pynvml.NVMLError as exc:
                 prev = old_by_index.get(index)
-                log.warning("nvml_device_handle_failed", index=index, error=str(exc), known_uuid=prev and prev.identity.uuid)
+                log.warning("nvml_device_handle_failed", index=index, error=str(exc),
+                            known_uuid=prev and prev.identity.uuid)
                 if prev is not None:
                     # Keep a GPU we knew: its reads will report it lost instead of it vanishing.
                     devices[prev.identity.uuid] = prev
@@ -166,7 +171,8 @@ class DeviceRegistry:
                 d.gpm_samples, d.gpm_prev = [], -1
         return samples
 
-    def _device(self, identity: DeviceIdentity, handle: Any, parent_handle: Any = None, gpm: bool = False) -> NvmlDevice:
+    def _device(self, identity: DeviceIdentity, handle: Any, parent_handle: Any = None,
+                gpm: bool = False) -> NvmlDevice:
         dev = NvmlDevice(identity=identity, handle=handle, parent_handle=parent_handle, gpm_supported=gpm)
         dev.readers = readers_for(dev, processes=self._processes)
         return dev
@@ -195,7 +201,8 @@ class DeviceRegistry:
 
         name = best(pynvml.nvmlDeviceGetName, handle, default="")
         pci = best(pynvml.nvmlDeviceGetPciInfo, handle)
-        bus_id = pci.busId.decode() if pci is not None and isinstance(pci.busId, bytes) else str(getattr(pci, "busId", "") or "")
+        bus_id = (pci.busId.decode() if pci is not None and isinstance(pci.busId, bytes)
+                  else str(getattr(pci, "busId", "") or ""))
         mem = memory_info(handle, uuid)
         return DeviceIdentity(
             uuid=uuid,
@@ -277,7 +284,8 @@ class DeviceRegistry:
             pinfo = best(pynvml.nvmlDeviceGetGpuInstanceProfileInfoById, h, gi_profile_id)
             if pinfo is not None:
                 pname = pinfo.name.decode() if isinstance(pinfo.name, bytes) else str(pinfo.name)
-                profile = mig_profile_from_name(pname) or mig_profile_from_size(int(pinfo.sliceCount), int(pinfo.memorySizeMB))
+                profile = (mig_profile_from_name(pname)
+                           or mig_profile_from_size(int(pinfo.sliceCount), int(pinfo.memorySizeMB)))
         mem = memory_info(mh, uuid)
         return DeviceIdentity(
             uuid=uuid,

@@ -26,7 +26,8 @@ log = structlog.get_logger(__name__)
 
 
 class NvmlEvents:
-    def __init__(self, registry: DeviceRegistry, thread: EventThread, *, wait_ms: int, on_mig_change: Callable[[], None]) -> None:
+    def __init__(self, registry: DeviceRegistry, thread: EventThread, *, wait_ms: int,
+                 on_mig_change: Callable[[], None]) -> None:
         self._registry = registry
         self._thread = thread
         self._wait_ms = wait_ms
@@ -118,7 +119,8 @@ class NvmlEvents:
                 uuid = parent
             # debug: a storm is thousands of events; the health engine logs what is news
             log.debug("nvml_event", uuid=uuid, kind=kind.value, code=code)
-            _emit(sink, DeviceEvent(uuid=uuid, kind=kind, code=code if kind in (EventKind.XID, EventKind.RECOVERY_ACTION) else 0))
+            _emit(sink, DeviceEvent(uuid=uuid, kind=kind,
+                                    code=code if kind in (EventKind.XID, EventKind.RECOVERY_ACTION) else 0))
 
     def event_uuid(self, parent: str, gi: int, ci: int) -> str:
         """MIG events carry the GPU/compute instance ids; map them to the MIG device.

@@ -45,6 +45,7 @@ from .abi import (
     GPM_METRICS,
     SLOW_FIELDS,
     SUCCESS,
+    THROTTLE_FIELDS,
     UNSUPPORTED,
     decode_batch,
     pynvml,
@@ -214,6 +215,10 @@ def read_counters(calls: Calls, dev: NvmlDevice, r: DeviceReading) -> None:
             r.recovery_action = RecoveryAction(int(fv[FI_RECOVERY_ACTION]))
         except ValueError:
             log.warning("nvml_unknown_recovery_action", uuid=dev.identity.uuid, value=fv[FI_RECOVERY_ACTION])
+    for fid, policy, reason in THROTTLE_FIELDS:
+        ns = field_or_direct(fid, f"violation_{policy}", _violation_ns, h, policy)
+        if ns is not None:
+            r.throttle_seconds[reason] = float(ns) / 1e9
 
     if direct:
         read_counters_direct(calls, dev, r)
@@ -239,6 +244,11 @@ def read_counters(calls: Calls, dev: NvmlDevice, r: DeviceReading) -> None:
         r.row_remap_failure = bool(fv[FI_REMAPPED_FAILURE])
     if FI_PCIE_REPLAY in fv:
         r.pcie_replay_total = int(fv[FI_PCIE_REPLAY])
+
+
+def _violation_ns(handle: Any, policy: int) -> int:
+    """nvmlDeviceGetViolationStatus's throttle time (ns); the call is deprecated for the fields."""
+    return int(pynvml.nvmlDeviceGetViolationStatus(handle, policy).violationTime)
 
 
 def read_counters_direct(calls: Calls, dev: NvmlDevice, r: DeviceReading) -> None:
@@ -314,7 +324,8 @@ def _gpm_cycle(calls: Calls, dev: NvmlDevice, r: DeviceReading, use_mig_sample: 
     cur = 0 if dev.gpm_prev != 0 else 1
     sample = dev.gpm_samples[cur]
     if use_mig_sample:
-        got = calls.call(dev, "gpm", pynvml.nvmlGpmMigSampleGet, dev.parent_handle, dev.identity.gpu_instance_id, sample)
+        got = calls.call(dev, "gpm", pynvml.nvmlGpmMigSampleGet, dev.parent_handle, dev.identity.gpu_instance_id,
+                         sample)
     else:
         got = calls.call(dev, "gpm", pynvml.nvmlGpmSampleGet, dev.handle, sample)
     if got is None:

@@ -41,3 +41,12 @@ system:serviceaccount:{{ .Release.Namespace }}:{{ include "dge.fullname" . }}
     size(request.userInfo.extra['authentication.kubernetes.io/node-name']) == 1
     ? request.userInfo.extra['authentication.kubernetes.io/node-name'][0] : ''
 {{- end -}}
+
+{{/* NetworkPolicy: one peer from a namespaceSelector and a podSelector (both set: AND), as a
+    YAML list; "" when both are empty. */}}
+{{- define "dge.networkPeer" -}}
+{{- $peer := dict -}}
+{{- with .namespaceSelector }}{{ $_ := set $peer "namespaceSelector" . }}{{ end -}}
+{{- with .podSelector }}{{ $_ := set $peer "podSelector" . }}{{ end -}}
+{{- if $peer }}{{ toYaml (list $peer) }}{{ end -}}
+{{- end -}}
