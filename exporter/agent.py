@@ -27,7 +27,7 @@ from .model.inputs import CycleJoin
 from .model.processes import PROCESSES
 from .model.snapshot import SNAPSHOT, Snapshot
 from .model.usage import Usage, UsageAccountant
-from .remediation.report import RemediationReport
+from .remediation.contract import RemediationReport
 
 log = structlog.get_logger(__name__)
 

@@ -39,11 +39,9 @@ if TYPE_CHECKING:  # the Kubernetes parts are imported only when an API is confi
     from .k8s.connection import ApiClient
     from .k8s.discovery import Discovery
     from .k8s.taintrules import TaintRuleClient
-    from .remediation.boot import BootIdentity
-    from .remediation.budget import Budget
+    from .remediation.adoption import BootIdentity
+    from .remediation.contract import Budget, KillSwitch, RemediationPolicy, RuleFeed
     from .remediation.engine import Remediator
-    from .remediation.policy import RemediationPolicy
-    from .remediation.ports import KillSwitch, RuleFeed
 
 log = structlog.get_logger(__name__)
 
@@ -161,7 +159,7 @@ def agent_namespace() -> str:
 
 def remediation_policy(cfg: Config, resync: float = 30.0) -> RemediationPolicy:
     """What the remediator is told, from the agent's flags (it never sees the whole Config)."""
-    from .remediation.policy import RemediationPolicy
+    from .remediation.contract import RemediationPolicy
 
     return RemediationPolicy(
         node=cfg.node_name, mode=cfg.taint_mode, hold=cfg.taint_hold_seconds, settle=cfg.taint_settle_seconds,
@@ -197,7 +195,7 @@ def build_remediator(
     from .k8s.nodestate import NodeState
     from .k8s.pods import PodFacts
     from .k8s.taintrules import TaintRuleClient
-    from .remediation.boot import read_boot_identity
+    from .remediation.adoption import read_boot_identity
     from .remediation.engine import Remediator
 
     ns, node = agent_namespace(), cfg.node_name

@@ -20,7 +20,7 @@ from drasim.node import SimulatedNode
 from drasim.scenario import parse_scenario
 from exporter.config import TaintMode
 from exporter.health.engine import HealthPolicy
-from exporter.remediation import names
+from exporter.k8s import names
 
 SCALE = 20.0  # simulated seconds per real second
 FAULT_AT = 5.0

@@ -41,7 +41,7 @@ from exporter.k8s.model import AllocatedDevice, ClaimInfo, DeviceToleration, Own
 from exporter.k8s.parse import parse_claim, parse_pod
 from exporter.model.snapshot import AllocationView
 from exporter.remediation.evictions import EVENT_REASON, LOOKUPS_PER_PASS, EvictionWatch, Overdue
-from exporter.remediation.plan import OwnedRule
+from exporter.remediation.record import OwnedRule
 
 REPO = Path(__file__).resolve().parent.parent
 RULES = REPO / "alerts" / "dra-gpu-exporter.rules.yml"

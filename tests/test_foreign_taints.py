@@ -136,7 +136,7 @@ def test_the_amd_drivers_taints_and_foreign_rules_are_no_health_no_budget_and_no
             assert shown == sorted((d, TAINT_KEY, "nps1", "NoExecute", AMD) for d in tainted)
             # both GPUs published (GPU 0 through its partition devices)
             assert [(s.labels["driver"], s.value) for s in samples if s.name == "dra_unpublished_devices"] == [(AMD, 0)]
-            assert not rem.rails.raised and not rem.record.noexecute_units()
+            assert not rem.rails.raised and not rem.record.noexecute_domains()
             assert api.get("", "configmaps", "dra-gpu-exporter-budget", "dra-gpu-exporter")["data"] == budget_before["data"]
             # the foreign rules untouched (same object, same resourceVersion), none deleted, none added
             after = {r["metadata"]["name"]: r for r in api.list("resource.k8s.io", "devicetaintrules")}
@@ -153,12 +153,12 @@ def test_the_amd_drivers_taints_and_foreign_rules_are_no_health_no_budget_and_no
 def test_the_record_of_owned_rules_never_adopts_a_rule_without_the_agents_label():
     """Belt and braces behind the label-selected feeds: a foreign rule handed to the record (a
     feed misconfigured, a selector dropped) is not adopted; the agent's own is."""
-    from exporter.k8s.taintrules import StoredRule
-    from exporter.remediation.rules import OwnedRules
+    from exporter.k8s.taintrules import TaintRule
+    from exporter.remediation.record import OwnedRules
 
     record = OwnedRules()
-    theirs = StoredRule(name=f"maintenance-{NODE}-gpu-1", uid="u1", driver=AMD, pool=NODE, device="gpu-1-spx-nps1", effect="NoExecute", ours=False)
-    mine = StoredRule(name=f"dra-gpu-exporter-{NODE}-gpu-1-0-abc", uid="u2", driver=AMD, pool=NODE, device="gpu-1-0", effect="NoSchedule", ours=True,
+    theirs = TaintRule(name=f"maintenance-{NODE}-gpu-1", uid="u1", driver=AMD, pool=NODE, device="gpu-1-spx-nps1", effect="NoExecute", ours=False)
+    mine = TaintRule(name=f"dra-gpu-exporter-{NODE}-gpu-1-0-abc", uid="u2", driver=AMD, pool=NODE, device="gpu-1-0", effect="NoSchedule", ours=True,
                       tier="degraded")
     sync = record.sync([theirs, mine], lags=False, now=0.0)
     assert [r.name for r in sync.adopted] == [mine.name] and [r.name for r in record.values()] == [mine.name]

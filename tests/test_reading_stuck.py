@@ -30,7 +30,8 @@ from exporter.devices.model import DeviceIdentity, DeviceReading, ReadError, Ven
 from exporter.devices.nvml import NvmlBackend
 from exporter.health.engine import HealthEngine, HealthPolicy
 from exporter.health.model import READING_STUCK, Tier
-from exporter.remediation.plan import Action, Safety, Target, decide
+from exporter.remediation.contract import Action, Target
+from exporter.remediation.plan import Safety, decide
 from exporter.wiring import build_agent
 
 T0 = 1_750_000_000.0
@@ -135,7 +136,7 @@ def test_remediation_plans_nothing_for_a_stuck_reading(mode):
     h.observe([G], {G.uuid: reading()})
     health = h.health(G.uuid)
     assert health.advisories
-    target = Target(driver="gpu.nvidia.com", pool="node", device="gpu-0", uuid=G.uuid)
+    target = Target(driver="gpu.nvidia.com", pool="node", device="gpu-0", uuid=G.uuid, gpu=G.uuid)
     d = decide(target, health, None, mode, Safety(), hold=1800.0, now=clock())
     assert d.action == Action.NOTHING
 

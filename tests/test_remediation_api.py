@@ -34,16 +34,16 @@ from exporter.catalog import BY_NAME
 from exporter.config import Config, TaintMode
 from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction, Vendor
 from exporter.health.engine import HealthEngine, HealthPolicy
+from exporter.k8s import names
 from exporter.k8s.connection import ApiError, connect
 from exporter.k8s.discovery import Discovery
 from exporter.k8s.slices import SliceWatcher
-from exporter.k8s.taintrules import TaintRuleClient
+from exporter.k8s.taintrules import TaintRule, TaintRuleClient
 from exporter.model.join import JoinInputs, join
-from exporter.remediation import names
-from exporter.remediation.boot import BootIdentity
-from exporter.remediation.budget import LocalBudget
+from exporter.remediation.adoption import BootIdentity
 from exporter.remediation.engine import Remediator
 from exporter.remediation.plan import RECORD_REFRESH
+from exporter.remediation.rails import LocalBudget
 from exporter.wiring import build_remediator, compose
 
 NODE = "node-a"
@@ -356,6 +356,22 @@ def test_rule_body_selects_exactly_one_device_or_is_refused(make_rig):
     for driver, pool, device in (("", NODE, "gpu-3"), (DRIVER, "", "gpu-3"), (DRIVER, NODE, ""), ("", "", "")):
         with pytest.raises(ValueError):
             rules.body("n", driver, pool, device, "k.io/x", "v", "NoExecute", {}, {})
+
+
+def test_a_rule_record_comes_back_field_for_field_through_its_codec(make_rig):
+    """One typed record, one codec: what create_rule writes (labels, annotations, taint) the API
+    server stores and parse_rule reads back as the same record; a patch writes what it records."""
+    rules = make_rig("1.37").rem.rules
+    rule = TaintRule(
+        name="dra-gpu-exporter-codec", uid="", driver=DRIVER, pool=NODE, device="gpu-3", effect="NoExecute", ours=True,
+        tier="fatal", reason="xid_79", evidence="XID 79 fell off the bus", uuid="GPU-3", gpu="GPU-3", scope="gpu",
+        sticky=True, first_seen=1_700_000_000.25, reset_required=True, boot_id="boot-1", node=NODE,
+    )
+    created = rules.create_rule(rule)
+    assert created.uid and created == dataclasses.replace(rule, uid=created.uid)
+    stepped = dataclasses.replace(created, effect="NoSchedule", tier="degraded", reset_required=False, evidence="quiet")
+    rules.patch_rule(stepped, mark_sticky=False)
+    assert rules.get_rule(rule.name) == stepped
 
 
 # ------------------------------------------------------------------------------ lifecycle
@@ -1059,7 +1075,7 @@ def test_the_report_is_a_frozen_copy_of_one_moment(make_rig):
     latency histogram included: a copy, not the one the remediation thread keeps writing)."""
     import dataclasses
 
-    from exporter.remediation.report import HistogramSnapshot
+    from exporter.remediation.contract import HistogramSnapshot
 
     rig = make_rig("1.37")
     rig.xid(0, 79)

@@ -23,7 +23,7 @@ from exporter.k8s.budget import BUDGET_NAME, ClusterBudget
 from exporter.k8s.connection import ApiError, connect
 from exporter.k8s.parse import parse_slice
 from exporter.model.join import JoinInputs, join
-from exporter.remediation.boot import BootIdentity
+from exporter.remediation.adoption import BootIdentity
 from exporter.wiring import build_remediator
 
 AGENTS = 120

@@ -20,13 +20,13 @@ from validation import StrictValidator
 from exporter.config import Config, TaintMode
 from exporter.devices.model import DeviceEvent, DeviceIdentity, DeviceReading, EventKind, ReadError, RecoveryAction, Vendor
 from exporter.health.engine import HealthEngine, HealthPolicy
+from exporter.k8s import names
 from exporter.k8s.connection import connect
 from exporter.k8s.discovery import Discovery
 from exporter.k8s.slices import SliceWatcher
 from exporter.model.join import JoinInputs, join
-from exporter.remediation import names
-from exporter.remediation.boot import BootIdentity
-from exporter.remediation.budget import LocalBudget
+from exporter.remediation.adoption import BootIdentity
+from exporter.remediation.rails import LocalBudget
 from exporter.wiring import build_remediator
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dra"
@@ -498,7 +498,7 @@ def test_a_rule_without_a_boot_annotation_is_released_when_first_seen_before_the
 
 
 def test_the_boot_identity_is_read_from_procfs_and_proves_only_what_it_can(tmp_path):
-    from exporter.remediation.boot import read_boot_identity
+    from exporter.remediation.adoption import read_boot_identity
 
     (tmp_path / "boot_id").write_text("3f1c2b7e-9a43-4c55-8a0e-5b8d7f1e2a90\n")
     (tmp_path / "stat").write_text("cpu  1 2 3 4\nintr 5\nbtime 1750000000\nprocesses 9\n")

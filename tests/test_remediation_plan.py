@@ -14,14 +14,16 @@ from hypothesis import strategies as st
 from exporter.catalog import BY_NAME
 from exporter.config import TaintMode
 from exporter.health.model import Condition, DeviceHealth, Tier
+from exporter.k8s import names
 from exporter.reasons import Suppression
-from exporter.remediation import names
-from exporter.remediation.plan import ADMIN_DELETED, EFFECT_RANK, RECORD_REFRESH, OwnedRule, Safety, Target, decide, wanted
+from exporter.remediation.contract import Target, Verdict
+from exporter.remediation.plan import ADMIN_DELETED, EFFECT_RANK, RECORD_REFRESH, Safety, decide, wanted
+from exporter.remediation.record import OwnedRule
 
 NOW = 1_750_000_000.0
 HOLD = 600.0
 UUID = "GPU-11111111-2222-3333-4444-555555555555"
-T = Target(driver="gpu.nvidia.com", pool="node-a", device="gpu-3", uuid=UUID)
+T = Target(driver="gpu.nvidia.com", pool="node-a", device="gpu-3", uuid=UUID, gpu=UUID)
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
@@ -102,7 +104,7 @@ def test_the_suppression_counter_is_only_counted_with_a_suppression():
                     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "announce":
                         what = node.args[1]
                         assert not isinstance(what, ast.Constant), f"{src.name} {fn.name}: announce with a bare string {what.value!r}"
-    assert writers == {("notices.py", "announce")}
+    assert writers == {("writer.py", "announce")}
 
 
 # ------------------------------------------------------------------------------ effect by tier and mode
@@ -148,44 +150,44 @@ def test_healthy_device_without_rule_needs_nothing():
 
 
 def test_node_wide_fault_gives_noschedule_only():
-    dec = d(health(Tier.FATAL), node_fault=True)
+    dec = d(health(Tier.FATAL), verdict=Verdict.NODE_FAULT)
     assert (dec.action, dec.effect, dec.suppressed) == ("create", "NoSchedule", "node_fault")
 
 
 def test_rate_limit_gives_noschedule_until_the_window_allows():
-    dec = d(health(Tier.FATAL), rate_ok=False)
+    dec = d(health(Tier.FATAL), verdict=Verdict.RATE_LIMITED)
     assert (dec.action, dec.effect, dec.suppressed) == ("create", "NoSchedule", "rate_limit")
-    later = d(health(Tier.FATAL), rule("NoSchedule"), rate_ok=True)
+    later = d(health(Tier.FATAL), rule("NoSchedule"))
     assert (later.action, later.effect) == ("update", "NoExecute")
 
 
 def test_budget_exhausted_gives_effect_none_or_noschedule_without_none():
-    dec = d(health(Tier.FATAL), budget_ok=False)
+    dec = d(health(Tier.FATAL), verdict=Verdict.BUDGET_FULL)
     assert (dec.action, dec.effect, dec.suppressed) == ("create", "None", "budget")
-    dec = d(health(Tier.FATAL), budget_ok=False, supports_none=False)
+    dec = d(health(Tier.FATAL), verdict=Verdict.BUDGET_FULL, supports_none=False)
     assert (dec.action, dec.effect, dec.suppressed) == ("create", "NoSchedule", "budget")
 
 
 def test_limits_do_not_touch_lower_effects():
-    for kw in ({"node_fault": True}, {"rate_ok": False}, {"budget_ok": False}):
+    for kw in ({"verdict": Verdict.NODE_FAULT}, {"verdict": Verdict.RATE_LIMITED}, {"verdict": Verdict.BUDGET_FULL}):
         assert d(health(Tier.DEGRADED), **kw).effect == "NoSchedule"
         assert d(health(Tier.DEGRADED), **kw).suppressed == ""
 
 
 def test_a_rule_that_already_has_noexecute_keeps_it_under_limits():
-    dec = d(health(Tier.FATAL), rule("NoExecute"), budget_ok=False, rate_ok=False, node_fault=True)
+    dec = d(health(Tier.FATAL), rule("NoExecute"), verdict=Verdict.NODE_FAULT)
     assert dec.action == "keep" and dec.suppressed == ""
 
 
 def test_a_limit_never_lowers_an_existing_rule():
     """Regression: a fatal device whose rule is NoSchedule (rate-limited) lost it to effect None
     once the cluster budget filled up: the budget limit must cap a raise, not cause a step down."""
-    dec = d(health(Tier.FATAL), rule("NoSchedule", calm_since=NOW - 2 * HOLD), budget_ok=False)
+    dec = d(health(Tier.FATAL), rule("NoSchedule", calm_since=NOW - 2 * HOLD), verdict=Verdict.BUDGET_FULL)
     assert dec.action == "keep" and dec.suppressed == "budget"
 
 
 def test_budget_suppressed_rule_stays_none_while_the_budget_is_used_up():
-    dec = d(health(Tier.FATAL), rule("None"), budget_ok=False)
+    dec = d(health(Tier.FATAL), rule("None"), verdict=Verdict.BUDGET_FULL)
     assert (dec.action, dec.suppressed) == ("keep", "budget")
 
 
@@ -339,7 +341,7 @@ rules = st.one_of(
         refreshed_at=st.one_of(st.none(), st.floats(NOW - 3 * RECORD_REFRESH, NOW)),
     ),
 )
-safeties = st.builds(Safety, kill_switch=st.booleans(), rate_ok=st.booleans(), budget_ok=st.booleans(), node_fault=st.booleans(), supports_none=st.booleans())
+safeties = st.builds(Safety, kill_switch=st.booleans(), supports_none=st.booleans(), verdict=st.sampled_from(list(Verdict)))
 
 
 @settings(max_examples=400, deadline=None)
@@ -369,7 +371,7 @@ def test_decisions_respect_every_safety_rule(ts, r, mode, safety):
         if mode == TaintMode.SHADOW and raising:
             assert dec.effect == "None"  # (a rule from enforce days may still be stepping down)
         if dec.effect == "NoExecute" and raising:
-            assert safety.rate_ok and safety.budget_ok and not safety.node_fault
+            assert safety.verdict is Verdict.ALLOWED
         if r is not None and EFFECT_RANK[dec.effect] < EFFECT_RANK[r.effect]:
             assert EFFECT_RANK[r.effect] - EFFECT_RANK[dec.effect] == 1  # one step at a time
             want, _ = wanted(h, mode, safety.supports_none)
@@ -396,7 +398,8 @@ def test_a_failing_device_never_loses_its_rule_to_a_step_down(ts, effect, safety
 
 # ------------------------------------------------------------------ fault-domain rails (issue 16)
 
-from exporter.remediation.plan import Action, Effect, node_wide, settle_due, settling  # noqa: E402
+from exporter.remediation.contract import Action, Effect  # noqa: E402
+from exporter.remediation.rails import node_wide, settle_due, settling  # noqa: E402
 
 
 def test_node_wide_is_a_majority_within_the_window():
@@ -417,18 +420,18 @@ def test_settling_waits_for_the_longer_window():
 
 
 def test_a_settling_fatal_fault_is_fenced_with_noschedule_without_a_suppression():
-    x = d(health(Tier.FATAL), settling=True)
+    x = d(health(Tier.FATAL), verdict=Verdict.SETTLING)
     assert (x.action, x.effect, x.suppressed) == (Action.CREATE, Effect.NO_SCHEDULE.value, "")
-    x = d(health(Tier.FATAL), rule("NoSchedule", "fatal"), settling=True)
+    x = d(health(Tier.FATAL), rule("NoSchedule", "fatal"), verdict=Verdict.SETTLING)
     assert x.action == Action.KEEP  # raised only once the window is over
     x = d(health(Tier.FATAL), rule("NoSchedule", "fatal"))
     assert (x.action, x.effect) == (Action.UPDATE, "NoExecute")
 
 
 def test_an_unreadable_budget_fails_safe_to_noschedule():
-    x = d(health(Tier.FATAL), budget_unavailable=True)
+    x = d(health(Tier.FATAL), verdict=Verdict.BUDGET_UNAVAILABLE)
     assert (x.action, x.effect, x.suppressed) == (Action.CREATE, "NoSchedule", Suppression.BUDGET_UNAVAILABLE)
-    x = d(health(Tier.FATAL), rule("NoExecute", "fatal"), budget_unavailable=True)
+    x = d(health(Tier.FATAL), rule("NoExecute", "fatal"), verdict=Verdict.BUDGET_UNAVAILABLE)
     assert x.action == Action.KEEP  # a raised domain keeps what it has
 
 
@@ -495,7 +498,7 @@ def test_every_remediation_delay_is_a_validated_flag_and_env_var(monkeypatch):
 
 @given(
     mode=st.sampled_from(list(TaintMode)),
-    safety=st.builds(Safety, st.booleans(), st.booleans(), st.booleans(), st.booleans(), st.booleans(), st.booleans(), st.booleans()),
+    safety=st.builds(Safety, st.booleans(), st.booleans(), st.sampled_from(list(Verdict))),
     hold=st.floats(0, 3600),
     now=st.floats(0, 1e9),
     sticky=st.booleans(),

@@ -26,8 +26,7 @@ from exporter.devices.model import DeviceIdentity, DeviceReading, RecoveryAction
 from exporter.health.model import Condition, DeviceHealth, Tier
 from exporter.metrics.render import Counter, Gauge, Renderer, RenderState
 from exporter.model.snapshot import AllocationView, ClaimView, DeviceView, Snapshot
-from exporter.remediation.engine import Histogram
-from exporter.remediation.report import TaintRuleView
+from exporter.remediation.contract import Histogram, TaintRuleView
 
 PROMTOOL = shutil.which("promtool")
 

@@ -262,7 +262,7 @@ def test_create_with_a_cross_node_name_for_own_pool_is_denied(policy: PolicyEval
 
 
 def test_the_agents_own_rule_names_are_allowed(policy: PolicyEvaluator) -> None:
-    from exporter.remediation import names
+    from exporter.k8s import names
 
     for device in ("gpu-0", "gpu-0-mig-1g.10gb-9-0", "GPU_7"):
         name = names.rule_name("gpu-node-1", "gpu.nvidia.com", "gpu-node-1", device)

@@ -32,9 +32,9 @@ from exporter.config import TaintMode
 from exporter.devices.model import DeviceEvent, DeviceReading, EventKind, ReadError, RecoveryAction
 from exporter.health.engine import HealthEngine, HealthPolicy
 from exporter.health.model import READING_STUCK
+from exporter.k8s import names
 from exporter.model.snapshot import AllocationView
-from exporter.remediation import names
-from exporter.remediation.boot import BootIdentity
+from exporter.remediation.adoption import BootIdentity
 from exporter.remediation.evictions import EVENT_REASON, GRACE
 
 make_rig = domains.make_rig  # the remediation rig's fixture

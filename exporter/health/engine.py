@@ -489,6 +489,18 @@ class HealthEngine:
         log.info("condition_restored", uuid=target, reason=reason, tier=tier.value, scope=scope.value, reset_required=reset_required)
         self._notify([target])
 
+    def reset_proven(self, uuid: str, why: str) -> None:
+        """A reset of the GPU that this process did not see but the remediator proved (the node
+        rebooted since a rule's fault was recorded): booked as a reset observed now, so conditions
+        waiting for one clear after their clear time, counted from now."""
+        with self._lock:
+            now = self.clock.monotonic()
+            uuid = self._physical(uuid)
+            self._reset_gpu(uuid, now)
+            self._update_transitions(uuid, self._state[uuid], now)
+        log.warning("gpu_reset_proven", uuid=uuid, why=why)
+        self._notify([uuid])
+
     def clear_sticky(self, uuid: str) -> None:
         """A person cleared the device. A MIG instance's uuid clears its GPU (and anything
         left on the instance itself)."""

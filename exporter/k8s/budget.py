@@ -117,7 +117,7 @@ class BudgetWatch(Reflector[dict[str, Any]]):
 
 
 class ClusterBudget:
-    """The :class:`exporter.remediation.budget.Budget` protocol on the shared ConfigMap."""
+    """The :class:`exporter.remediation.contract.Budget` protocol on the shared ConfigMap."""
 
     def __init__(
         self,

@@ -24,11 +24,10 @@ from typing import Protocol, runtime_checkable
 
 from ..collect import Collector, Degraded, Gathered, Slot, SourceStats
 from ..devices.deadline import CallHung, DeadlineRunner
-from .model import ClaimInfo, PodInfo, SliceDevice
+from .model import ClaimInfo, DeviceKey, PodInfo, SliceDevice
 
 __all__ = ["CLAIMS", "FIRST_FETCH_LIMIT", "PODS", "SLICES", "ClaimCollector", "PodCollector", "SliceCollector"]
 
-DeviceKey = tuple[str, str, str]  # (driver, pool, device)
 ClaimKey = tuple[str, str]  # (namespace, name)
 
 SLICES: Slot[Mapping[DeviceKey, SliceDevice]] = Slot("slices")

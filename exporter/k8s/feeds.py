@@ -16,7 +16,7 @@ from collections.abc import Callable
 from ..constants import API_TIMEOUT
 from . import names
 from .connection import ApiClient, ApiError, get_json
-from .taintrules import StoredRule, TaintRuleClient, parse_rule
+from .taintrules import TaintRule, TaintRuleClient, parse_rule
 from .watch import NodeWatch, OwnedRuleWatch
 
 Listener = Callable[[], None]
@@ -48,7 +48,7 @@ class WatchedRules:
         if watch is not None:
             watch.stop()
 
-    def current(self) -> list[StoredRule] | None:
+    def current(self) -> list[TaintRule] | None:
         """The rules as the watch holds them; None until its first list. Raises
         TaintRulesUnavailable when no version is served (the watch is then not opened)."""
         with self._lock:
@@ -77,7 +77,7 @@ class ListedRules:
     def stop(self) -> None:
         """(Nothing to stop.)"""
 
-    def current(self) -> list[StoredRule] | None:
+    def current(self) -> list[TaintRule] | None:
         """None while the next list is not due."""
         if time.monotonic() - self._last < self.resync:
             return None

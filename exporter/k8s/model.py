@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 AttributeValue = str | int | bool
+DeviceKey = tuple[str, str, str]  # (driver, pool, device): a DRA device as a ResourceSlice publishes it
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,11 @@ import structlog
 from ..constants import API_TIMEOUT
 from . import names
 from .connection import ApiClient, ApiError, get_json, request_json
+from .model import DeviceKey
 
 log = structlog.get_logger(__name__)
 
 ADMIN_DELETED_KEY = "admin-deleted"  # ConfigMap data key: JSON {"driver/pool/device": {"at": epoch s, "reason": r}}
-
-DeviceKey = tuple[str, str, str]
 
 
 class Deletion(NamedTuple):

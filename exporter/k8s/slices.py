@@ -30,7 +30,7 @@ import structlog
 
 from .connection import ApiClient
 from .discovery import DEFAULT_PREFERENCE, RESOURCE_GROUP, Discovery
-from .model import SliceDevice
+from .model import DeviceKey, SliceDevice
 from .parse import ParsedSlice, ParseError, parse_slice_full
 from .watch import Reflector, WatcherStats
 
@@ -38,7 +38,6 @@ log = structlog.get_logger(__name__)
 
 __all__ = ["DeviceKey", "SliceWatcher", "WatcherStats"]
 
-DeviceKey = tuple[str, str, str]  # (driver, pool, device)
 
 RESOURCE = "resourceslices"
 LIST_PAGE_SIZE = 500

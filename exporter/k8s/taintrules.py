@@ -11,8 +11,8 @@ PUT. From 1.37 an update (PUT) of a v1 DeviceTaintRule must carry ``metadata.res
 patch is applied by the server to the object it stores, so it needs none and is accepted by every
 release.
 
-The remediator gets typed records (:class:`StoredRule`) and hands typed writes
-(:class:`RuleSpec`, :class:`RuleChange`); the JSON stays here.
+The remediator reads and writes one typed record (:class:`TaintRule`); the JSON, the labels and the
+annotations stay here.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from ..constants import API_TIMEOUT
 from . import names
 from .connection import MERGE_PATCH, ApiClient, ApiError, get_json, request_json
 from .discovery import RESOURCE_GROUP, Discovery
+from .events import micro_time
+from .model import DeviceKey
 
 PREFERENCE = ("v1", "v1beta2", "v1alpha3")
 
@@ -42,8 +44,10 @@ class ServedTaintRules:
 
 
 @dataclass(frozen=True)
-class StoredRule:
-    """A DeviceTaintRule as stored, with what this agent's labels and annotations say about it."""
+class TaintRule:
+    """One DeviceTaintRule as this agent writes and reads it: the device it selects, its effect, and
+    what its labels and annotations record about the fault. :func:`parse_rule` and
+    :meth:`TaintRuleClient.create_rule` / :meth:`TaintRuleClient.patch_rule` are its one codec."""
 
     name: str
     uid: str
@@ -60,40 +64,37 @@ class StoredRule:
     scope: str = "gpu"
     sticky: bool = False
     managed: bool = True  # False: annotated managed=false, hands off
-    first_seen: float | None = None
+    first_seen: float | None = None  # a wall date (epoch seconds)
     reset_required: bool | None = None  # None: not annotated (a rule from an older agent)
     boot_id: str = ""  # the node boot the rule's fault was recorded under; "" when not annotated
+    node: str = ""  # the node label: whose agent owns it
 
     @property
-    def key(self) -> tuple[str, str, str]:
+    def key(self) -> DeviceKey:
         return (self.driver, self.pool, self.device)
 
+    def labels(self, sticky: bool) -> dict[str, str]:
+        labels = {names.MANAGED_BY: names.MANAGED_BY_VALUE, names.NODE_LABEL: self.node, names.TIER_LABEL: self.tier}
+        if sticky:
+            # Only ever added by the agent; taking it off (or deleting the rule) is the person's
+            # "cleared", so patches never remove it.
+            labels[names.STICKY_LABEL] = "true"
+        return labels
 
-@dataclass(frozen=True)
-class RuleSpec:
-    """A rule to create."""
+    def fault_annotations(self) -> dict[str, str]:
+        """What a write records about the fault (a create, and every patch)."""
+        out = {
+            names.REASON_ANNOTATION: self.reason,
+            names.EVIDENCE_ANNOTATION: self.evidence,
+            names.TIER_ANNOTATION: self.tier,
+            names.RESET_REQUIRED_ANNOTATION: "true" if self.reset_required else "false",
+        }
+        if self.boot_id:
+            out[names.BOOT_ID_ANNOTATION] = self.boot_id
+        return out
 
-    name: str
-    driver: str
-    pool: str
-    device: str
-    key: str
-    value: str
-    effect: str
-    labels: Mapping[str, str]
-    annotations: Mapping[str, str]
-
-
-@dataclass(frozen=True)
-class RuleChange:
-    """A merge patch of one rule: labels and annotations to set (others are left as they are) and
-    the taint."""
-
-    labels: Mapping[str, str]
-    annotations: Mapping[str, str]
-    key: str
-    value: str
-    effect: str
+    def taint(self) -> dict[str, str]:
+        return {"key": names.taint_key(self.tier), "value": names.label_value(self.reason), "effect": self.effect}
 
 
 def parse_time(value: str) -> float | None:
@@ -108,7 +109,7 @@ def _flag(value: str | None) -> bool | None:
     return None if value is None else value.lower() == "true"
 
 
-def parse_rule(obj: dict[str, Any]) -> StoredRule | None:
+def parse_rule(obj: dict[str, Any]) -> TaintRule | None:
     """The record a DeviceTaintRule object stands for; None when it is not a rule at all."""
     try:
         meta = obj["metadata"]
@@ -116,7 +117,7 @@ def parse_rule(obj: dict[str, Any]) -> StoredRule | None:
         taint = obj["spec"]["taint"]
         labels = meta.get("labels") or {}
         ann = meta.get("annotations") or {}
-        return StoredRule(
+        return TaintRule(
             name=meta["name"],
             uid=meta.get("uid", ""),
             driver=sel.get("driver", ""),
@@ -135,6 +136,7 @@ def parse_rule(obj: dict[str, Any]) -> StoredRule | None:
             first_seen=parse_time(ann.get(names.FIRST_SEEN_ANNOTATION, "")),
             reset_required=_flag(ann.get(names.RESET_REQUIRED_ANNOTATION)),
             boot_id=ann.get(names.BOOT_ID_ANNOTATION, ""),
+            node=labels.get(names.NODE_LABEL, ""),
         )
     except (KeyError, TypeError, AttributeError):
         return None
@@ -210,7 +212,7 @@ class TaintRuleClient:
             if not cont:
                 return items
 
-    def list_rules(self, node: str) -> list[StoredRule]:
+    def list_rules(self, node: str) -> list[TaintRule]:
         """This node's rules (node-scoped label selector), parsed; malformed ones left out."""
         return [r for r in map(parse_rule, self.list_owned(node)) if r is not None]
 
@@ -222,27 +224,38 @@ class TaintRuleClient:
                 return None
             raise
 
-    def get_rule(self, name: str) -> StoredRule | None:
+    def get_rule(self, name: str) -> TaintRule | None:
         obj = self.get(name)
         return parse_rule(obj) if obj is not None else None
 
     def create(self, body: dict[str, Any]) -> dict[str, Any]:
         return request_json(self.client, "POST", self._base(), body=body, timeout=API_TIMEOUT)
 
-    def create_rule(self, spec: RuleSpec) -> StoredRule:
-        body = self.body(spec.name, spec.driver, spec.pool, spec.device, spec.key, spec.value, spec.effect, spec.labels, spec.annotations)
+    def create_rule(self, rule: TaintRule) -> TaintRule:
+        """Create ``rule`` (name, selector, taint, labels and every annotation it records)."""
+        seen = micro_time(rule.first_seen or 0.0)
+        annotations = {names.UUID_ANNOTATION: rule.uuid, names.GPU_ANNOTATION: rule.gpu, names.SCOPE_ANNOTATION: rule.scope,
+                       names.FIRST_SEEN_ANNOTATION: seen, **rule.fault_annotations()}
+        taint = rule.taint()
+        body = self.body(rule.name, rule.driver, rule.pool, rule.device, taint["key"], taint["value"], rule.effect,
+                         rule.labels(rule.sticky), annotations)
         created = parse_rule(self.create(body))
         if created is None:
-            raise ApiError(status=500, reason="BadResponse", message=f"the answer to creating DeviceTaintRule {spec.name} is no DeviceTaintRule")
+            raise ApiError(status=500, reason="BadResponse",
+                           message=f"the answer to creating DeviceTaintRule {rule.name} is no DeviceTaintRule")
         return created
 
     def patch(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         return request_json(self.client, "PATCH", f"{self._base()}/{name}", body=patch, content_type=MERGE_PATCH, timeout=API_TIMEOUT)
 
-    def patch_rule(self, name: str, change: RuleChange) -> None:
-        self.patch(name, {
-            "metadata": {"labels": dict(change.labels), "annotations": dict(change.annotations)},
-            "spec": {"taint": {"key": change.key, "value": change.value, "effect": change.effect}},
+    def patch_rule(self, rule: TaintRule, mark_sticky: bool) -> None:
+        """One merge patch: the taint, the labels and what the rule records about the fault (the
+        device, its GPU, scope and first-seen date are written once, at creation). The sticky label
+        only when ``mark_sticky``: re-sending it would put back a label a person removed since our
+        last look (a merge patch without it leaves it be)."""
+        self.patch(rule.name, {
+            "metadata": {"labels": rule.labels(mark_sticky), "annotations": rule.fault_annotations()},
+            "spec": {"taint": rule.taint()},
         })
 
     def delete(self, name: str, uid: str | None = None) -> None:

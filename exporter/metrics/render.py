@@ -112,7 +112,7 @@ class RenderState:
     budget_exhausted: bool | None = None
     taint_writes_refused: int | None = None  # remediator: writes the API server refuses now
     remediation: tuple[str, bool] | None = None  # (mode, active); None: not known (tests)
-    detection_latency: Any = None  # exporter.remediation.engine.Histogram
+    detection_latency: Any = None  # exporter.remediation.contract.HistogramSnapshot
     process_memory: Mapping[tuple[str, str, str], int] = field(default_factory=dict)  # (uuid, ns, pod) -> bytes
     pod_label_allowlist: tuple[str, ...] = ()
     dcgm_compat: bool = False

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..devices.model import DeviceIdentity, DeviceReading, Vendor, normalize_pci_bus_id
 from ..health.model import DeviceHealth, Scope
-from ..k8s.model import ClaimInfo, PodInfo, SliceDevice
+from ..k8s.model import ClaimInfo, DeviceKey, PodInfo, SliceDevice
 from ..k8s.resolve import (
     AMD_DRIVER,
     NVIDIA_DRIVER,
@@ -27,8 +27,6 @@ from ..k8s.resolve import (
 )
 from ..kubelet.model import AllocationSource, ContainerAllocation
 from .snapshot import AllocationView, ClaimView, DeviceView, PublishedDevice, Snapshot
-
-DeviceKey = tuple[str, str, str]
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,8 @@ from typing import Any
 import structlog
 
 from ..devices.model import DeviceIdentity, DeviceReading, ReadError, Vendor, normalize_pci_bus_id
-from ..k8s.model import SliceDevice
+from ..k8s.model import DeviceKey, SliceDevice
 from ..k8s.resolve import NVIDIA_DRIVER, PCI_BUS_ID_ATTR
-
-DeviceKey = tuple[str, str, str]
 
 log = structlog.get_logger(__name__)
 

@@ -1,20 +1,14 @@
 """The remediator: keeps this node's DeviceTaintRules in line with device health, per fault domain.
 
-A thin loop over small parts, each with one job and one owner of its state:
+A thin loop over parts that each own their state: :mod:`.adoption` brings the record of owned rules
+(:mod:`.record`) in line with the cluster after a restart and reads the kill switch; :mod:`.reconcile`
+decides every published device's rule (:mod:`.plan`) under the rails' verdict (:mod:`.rails`: settle
+window, node-wide test, rate window, cluster budget) and has :mod:`.writer` write and tell them;
+:mod:`.evictions` counts the pods still on each NoExecute device; :mod:`.contract` has their types.
 
-* :mod:`.adoption` brings the record of owned rules (:mod:`.rules`) in line with the cluster,
-  restores what adopted rules stand for (:mod:`.state`, proven resets too), reads the kill switch;
-* :mod:`.reconcile` decides every published device's rule per fault domain (:mod:`.domains`,
-  :mod:`.plan`) under the rails' verdict (:mod:`.rails`: settle window, node-wide test, rate
-  window, cluster budget) and has :mod:`.writer` write them and tell them in Events;
-* :mod:`.notices` counts and tells what was held back, and holds refused writes;
-* :mod:`.evictions` counts the pods still on each NoExecute device and tells of those that stay.
-
-It runs on its own thread so API latency never stalls metric collection, and is woken at once by the
-health engine, the rule and node watches and the budget. Targets come from the snapshot the sampler
-hands it (``update``); it reads no source itself. A new fatal fault is fenced at once (NoSchedule) and
-raised to NoExecute once its settle window has passed, unless the node-wide test tripped within it.
-Lowering is never gated. Each pass ends in one frozen :class:`~.report.RemediationReport`: all the agent reads.
+It runs on its own thread so API latency never stalls metric collection, woken at once by the health
+engine, the rule and node watches and the budget. Targets come from the snapshot the sampler hands it
+(``update``); it reads no source. Each pass ends in one frozen ``RemediationReport``: all the agent reads.
 """
 
 from __future__ import annotations
@@ -26,28 +20,31 @@ import structlog
 
 from ..backoff import Backoff
 from ..clock import SYSTEM, Clock
-from ..config import TaintMode
 from ..k8s.connection import ApiError
 from ..k8s.taintrules import TaintRulesUnavailable
 from ..model.snapshot import PublishedDevice, Snapshot
-from ..reasons import Suppression
-from . import domains
-from .adoption import RuleSync
-from .boot import BootIdentity
-from .budget import Budget
+from ..reasons import Suppression, TaintMode
+from .adoption import AdminMemory, BootIdentity, RuleSync
+from .contract import (
+    Budget,
+    DeletionStore,
+    EventSink,
+    HealthSource,
+    KillSwitch,
+    PodLookup,
+    RemediationPolicy,
+    RemediationReport,
+    RuleApi,
+    RuleFeed,
+    Target,
+)
 from .evictions import EvictionWatch
-from .notices import NO_API_KEY, Notices, Refusals
-from .plan import Effect, Target
-from .policy import RemediationPolicy
-from .ports import DeletionStore, EventSink, HealthSource, KillSwitch, PodLookup, RuleApi, RuleFeed
 from .rails import SafetyRails
-from .reconcile import Reconciler
-from .report import Histogram, RemediationReport
-from .rules import OwnedRules, unit_of
-from .state import AdminMemory
-from .writer import RuleWriter
+from .reconcile import Reconciler, targets
+from .record import OwnedRules
+from .writer import NO_API_KEY, Notices, Refusals, RuleWriter
 
-__all__ = ["QUIET_PASS", "Histogram", "Remediator"]
+__all__ = ["QUIET_PASS", "Remediator"]
 
 log = structlog.get_logger(__name__)
 
@@ -70,16 +67,19 @@ class Remediator:
         clock: Clock = SYSTEM,
         pods: PodLookup | None = None,  # reads a pod that outstays its eviction (evictions.py)
     ) -> None:
-        self.policy, self.health, self.rules, self.feed, self.kill, self.budget, self.clock = policy, health, rules, feed, kill_switch, budget, clock
+        self.policy, self.health, self.rules, self.feed = policy, health, rules, feed
+        self.kill, self.budget, self.clock = kill_switch, budget, clock
         self.boot = boot or BootIdentity()
         self.record = OwnedRules()
         self.admin = AdminMemory(node_state, clock)
         self.sync = RuleSync(feed, kill_switch, self.record, health, self.admin, self.boot, clock)
-        self.writer = RuleWriter(policy.node, policy.mode, rules, events, self.record, clock, policy.hold, self.boot.boot_id, self.sync.deleted_by_someone)
-        self.notices = Notices(lambda note: self.writer.node_event("HealthRemediationSuppressed", note, "Taint", warning=True))
+        self.writer = RuleWriter(policy.node, policy.mode, rules, events, self.record, clock, policy.hold,
+                                 self.boot.boot_id, self.sync.deleted_by_someone)
+        self.notices = Notices(self.writer.tell_suppressed)
         self.refusals = Refusals()
         self.rails = SafetyRails(policy, budget)
-        self.reconciler = Reconciler(policy, self.record, self.rails, self.writer, self.notices, self.refusals, self.admin)
+        self.reconciler = Reconciler(policy, self.record, self.rails, self.writer, self.notices, self.refusals,
+                                     self.admin)
         self.evictions = EvictionWatch(pods, events, self.writer.ref, policy.eviction_grace, clock)
         self.ok = False
         self.last_error: str | None = None
@@ -94,7 +94,8 @@ class Remediator:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards the snapshot handed in and the published report
         self._report = RemediationReport(mode=policy.mode.value)
-        self._retry_at, self._backoff = 0.0, Backoff(0.5, 30.0)  # between failed passes; a 429's Retry-After is honoured
+        # between failed passes; a 429's Retry-After is honoured
+        self._retry_at, self._backoff = 0.0, Backoff(0.5, 30.0)
         health.subscribe(lambda uuid: self.poke())
         budget.subscribe(self.poke)
 
@@ -132,12 +133,11 @@ class Remediator:
     def update(self, snap: Snapshot) -> None:
         """The sampler's new snapshot: a pass is due, unless the node is quiet.
 
-        Quiet (the last pass found every device healthy and holds no rule, nothing pending,
-        refused, settling, raised or waiting): a pass would decide NOTHING for every device,
-        whatever the readings or the slices say. What can end the quiet wakes the thread
-        itself: a health change (the health engine's subscription), a rule, the kill switch or
-        the budget (their watches). At a 1 s interval a pass per cycle was a tenth of an 8-GPU
-        node's CPU. New devices always ask for a pass."""
+        Quiet (the last pass found every device healthy and holds no rule, nothing pending, refused,
+        settling, raised or waiting): a pass would decide NOTHING for every device, whatever the
+        readings or the slices say. What can end the quiet wakes the thread itself: a health change
+        (the health engine's subscription), a rule, the kill switch or the budget (their watches).
+        At a 1 s interval a pass per cycle was a tenth of an 8-GPU node's CPU. New devices always ask."""
         with self._lock:
             old, self._snap = self._snap, snap
         if not self._quiet or old is None or [d.identity for d in old.devices] != [d.identity for d in snap.devices]:
@@ -190,14 +190,13 @@ class Remediator:
             supports_none = True if p.dry_run else self.rules.served().supports_none
             if not p.dry_run:  # (dry-run asks the API nothing)
                 self.api_served = True
-                for r in self.sync.run(self.writer):
-                    if r.effect == Effect.NO_EXECUTE.value:
-                        self.rails.raised.add(unit_of(r))
+                self.writer.adopted(self.sync.run())
         except TaintRulesUnavailable as e:
             self.api_served = False
             # Not a failure of this agent but what the cluster offers (the API is off by default
             # before 1.37): told once per agent start; every pass looks again (discovery is cached).
-            self.notices.announce(NO_API_KEY, Suppression.NO_API, f"GPU faults on this node get no DeviceTaintRule: {e}. Health is reported in metrics only.")
+            note = f"GPU faults on this node get no DeviceTaintRule: {e}. Health is reported in metrics only."
+            self.notices.announce(NO_API_KEY, Suppression.NO_API, note)
             self._publish()
             return
         self.notices.over(NO_API_KEY, Suppression.NO_API)  # served again: a later loss is news
@@ -210,7 +209,7 @@ class Remediator:
         now, health = self.clock.monotonic(), self.health.all_health()
         keys = frozenset(d.key for d in published) if published is not None else None
         if self._targets[0] is not published:  # (the join keeps the same tuple while slices stand still)
-            self._targets = (published, domains.targets(published or ()))
+            self._targets = (published, targets(published or ()))
         self.reconciler.run(self._targets[1], gpus, keys, health, now, supports_none, self.sync.kill_switch)
         self.evictions.run(self.record.values(), snap.allocations if snap is not None else (), now)
         self._quiet = not (
@@ -224,7 +223,8 @@ class Remediator:
     def active(self) -> bool:
         """Whether a fault on this node gets a DeviceTaintRule now: a writing mode, the API
         served, the node's kill switch off."""
-        return self.policy.mode in (TaintMode.SHADOW, TaintMode.ENFORCE) and self.api_served is True and not self.sync.kill_switch
+        writing = self.policy.mode in (TaintMode.SHADOW, TaintMode.ENFORCE)
+        return writing and self.api_served is True and not self.sync.kill_switch
 
     def _publish(self) -> None:
         """Take the report on the remediation thread, between writes: every part of it is of the

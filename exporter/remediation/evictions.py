@@ -34,15 +34,14 @@ from dataclasses import dataclass, field
 import structlog
 
 from ..clock import SYSTEM, Clock, from_wall
+from ..k8s import names
 from ..k8s.connection import ApiError
 from ..k8s.events import micro_time, pod_ref
-from ..k8s.model import ClaimInfo, PodInfo
+from ..k8s.model import ClaimInfo, DeviceKey, PodInfo
 from ..k8s.parse import ParseError
 from ..model.snapshot import AllocationView
-from . import names
-from .plan import Effect, OwnedRule
-from .ports import EventSink, Key, PodLookup
-from .report import PendingEvictionView
+from .contract import Effect, EventSink, PendingEvictionView, PodLookup
+from .record import OwnedRule
 
 log = structlog.get_logger(__name__)
 
@@ -81,7 +80,7 @@ class EvictionWatch:
     def __init__(self, lookup: PodLookup | None, events: EventSink, rule_ref: Callable[[str], Mapping[str, str]],
                  grace: float = GRACE, clock: Clock = SYSTEM) -> None:
         self.lookup, self.events, self.rule_ref, self.grace, self.clock = lookup, events, rule_ref, grace, clock
-        self._episodes: dict[Key, _Episode] = {}
+        self._episodes: dict[DeviceKey, _Episode] = {}
         self.pending: tuple[PendingEvictionView, ...] = ()
         self.told: dict[str, int] = {}  # Events sent, by Overdue value (tests, debugging)
 
@@ -92,7 +91,7 @@ class EvictionWatch:
         if not noexec:
             self.pending = ()
             return
-        holding: dict[Key, dict[tuple[str, str], str]] = {}
+        holding: dict[DeviceKey, dict[tuple[str, str], str]] = {}
         for a in allocations:
             key = (a.driver, a.pool, a.device)
             if a.source == "dra" and key in noexec:
@@ -165,45 +164,55 @@ class EvictionWatch:
             log.warning("eviction_claim_unreadable", namespace=ns, claim=name, error=str(e))
             return None
 
-    def _why(self, rule: OwnedRule, ep: _Episode, pod: PodInfo | None, claim: ClaimInfo | None, h: _Holder) -> tuple[Overdue, str, float | None]:
+    def _why(self, rule: OwnedRule, ep: _Episode, pod: PodInfo | None, claim: ClaimInfo | None,
+             h: _Holder) -> tuple[Overdue, str, float | None]:
         """(reason, its sentence, a later deadline to wait for instead: a finite toleration)."""
         if (pod is not None and h.claim and pod.extended_claim == h.claim) or (claim is not None and claim.extended):
             return (Overdue.EXTENDED_RESOURCE_CLAIM,
-                    f"its device came through the extended-resource claim {h.claim} (KEP-5004), and NoExecute does not evict "
-                    "such pods (kubernetes/kubernetes#141290): delete the pod, or move the workload to a ResourceClaim", None)
+                    f"its device came through the extended-resource claim {h.claim} (KEP-5004), and NoExecute does "
+                    "not evict such pods (kubernetes/kubernetes#141290): delete the pod, or move the workload to a "
+                    "ResourceClaim", None)
         tolerated = ""
         dev = claim.device(rule.driver, rule.pool, rule.device) if claim is not None else None
         key, value = f"{names.TAINT_DOMAIN}/{rule.tier}", names.label_value(rule.reason)
-        matching = [t for t in (dev.tolerations if dev is not None else ()) if t.tolerates(key, value, Effect.NO_EXECUTE.value)]
+        tolerations = dev.tolerations if dev is not None else ()
+        matching = [t for t in tolerations if t.tolerates(key, value, Effect.NO_EXECUTE.value)]
         if matching:
             # as the eviction controller counts: the shortest tolerationSeconds of the matching
             # tolerations; for ever only when none of them has one
             finite = [max(0, t.seconds) for t in matching if t.seconds is not None]
             if not finite:
-                return Overdue.TOLERATION, f"its claim {h.claim} tolerates the taint {key} without tolerationSeconds", None
+                return (Overdue.TOLERATION, f"its claim {h.claim} tolerates the taint {key} without tolerationSeconds",
+                        None)
             seconds = min(finite)
             tolerated = f"; its claim tolerates the taint for {seconds}s"
             wait = h.since + seconds + self.grace
             if wait > h.due:
                 return Overdue.UNKNOWN, tolerated, wait
         if pod is not None and pod.deleting_at is not None:
-            return Overdue.TERMINATING, f"deleted at {micro_time(pod.deleting_at)} and still running (a finalizer, or a kubelet that cannot stop it)", None
+            return (Overdue.TERMINATING, f"deleted at {micro_time(pod.deleting_at)} and still running (a finalizer, or "
+                    "a kubelet that cannot stop it)", None)
         created = None if pod is None or pod.created_at is None else from_wall(self.clock, pod.created_at)
         if pod is not None and pod.controller is not None and created is not None and created > ep.since:
             c = pod.controller
             return (Overdue.RECREATED,
-                    f"created after the taint by its controller {c.kind}/{c.name}, which puts new pods on the device while their claim {h.claim} stays allocated", None)
+                    f"created after the taint by its controller {c.kind}/{c.name}, which puts new pods on the device "
+                    f"while their claim {h.claim} stays allocated", None)
         return (Overdue.UNKNOWN,
-                "no toleration, extended-resource claim or controller explains it: is kube-controller-manager's device-taint "
-                f"eviction controller running (DRADeviceTaintRules)?{tolerated}", None)
+                "no toleration, extended-resource claim or controller explains it: is kube-controller-manager's "
+                f"device-taint eviction controller running (DRADeviceTaintRules)?{tolerated}", None)
 
-    def _tell(self, rule: OwnedRule, ns: str, name: str, pod: PodInfo | None, why: Overdue, detail: str, age: float) -> None:
+    def _tell(self, rule: OwnedRule, ns: str, name: str, pod: PodInfo | None, why: Overdue, detail: str,
+              age: float) -> None:
         device = f"{rule.driver}/{rule.pool}/{rule.device}"
-        log.warning("eviction_overdue", rule=rule.name, device=rule.device, namespace=ns, pod=name, why=why.value, seconds=round(age))
+        log.warning("eviction_overdue", rule=rule.name, device=rule.device, namespace=ns, pod=name, why=why.value,
+                    seconds=round(age))
         self.told[why.value] = self.told.get(why.value, 0) + 1
         gpu = f" (GPU {rule.uuid})" if rule.uuid else ""
         self.events.record(pod_ref(ns, name, pod.uid if pod is not None else ""), EVENT_REASON,
-                           f"still holds {device}{gpu} {age:.0f}s after DeviceTaintRule {rule.name} tainted it NoExecute ({rule.tier} {rule.reason}): {detail}",
+                           f"still holds {device}{gpu} {age:.0f}s after DeviceTaintRule {rule.name} tainted it "
+                           f"NoExecute ({rule.tier} {rule.reason}): {detail}",
                            "Observe", warning=True)
         self.events.record(self.rule_ref(rule.name), EVENT_REASON,
-                           f"pod {ns}/{name} still holds {device}{gpu} {age:.0f}s after the NoExecute taint: {detail}", "Observe", warning=True)
+                           f"pod {ns}/{name} still holds {device}{gpu} {age:.0f}s after the NoExecute taint: {detail}",
+                           "Observe", warning=True)

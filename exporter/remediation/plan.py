@@ -1,17 +1,18 @@
 """What to do about one DRA device: pure decisions, no I/O.
 
 Given the device's health, the rule this agent already owns for it (if any), the mode and the
-safety state, :func:`decide` returns one :class:`Decision`. The engine executes it. Keeping the
-policy here makes every safety rule a plain-data test.
+rails' verdict for its fault domain (:class:`Safety`), :func:`decide` returns one :class:`Decision`;
+the writer executes it. Keeping the policy here makes every safety rule a plain-data test.
 
 Effects by tier in ``enforce`` mode: fatal -> NoExecute, degraded -> NoSchedule,
 informational -> None (where the server supports None). ``shadow`` writes None for every tier;
 ``dry-run`` decides exactly like ``enforce`` and writes nothing.
 
-Safety, in the order applied to a rule that would *raise* the effect to NoExecute:
+A raise to NoExecute under a verdict other than ALLOWED (the rails decide which, in this order):
+  * settling (a new fault inside its settle window) -> NoSchedule, not a suppression;
   * node-wide fault (most of the node's GPUs failing at once) -> NoSchedule only;
   * per-node rate limit on new NoExecute rules -> NoSchedule until the window allows;
-  * cluster-wide budget used up -> None (NoSchedule where None is not served).
+  * cluster budget unreadable -> NoSchedule; used up -> None (NoSchedule where None is not served).
 Lowering an effect is never blocked by them. The kill switch and ``managed=false`` stop
 every write. A rule is lowered one step per hold period (NoExecute -> NoSchedule -> gone), so a
 device that recovers and re-fails does not flap its taint. A *sticky* rule (the device re-failed
@@ -28,38 +29,16 @@ the device recovers do not rename a rule that is about to step down anyway.
 
 from __future__ import annotations
 
-import enum
-import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..config import TaintMode
 from ..health.model import DeviceHealth, Tier
-from ..reasons import Suppression
-
-
-class Effect(str, enum.Enum):
-    """A DeviceTaintRule's taint effect (the API's own spelling)."""
-
-    NONE = "None"
-    NO_SCHEDULE = "NoSchedule"
-    NO_EXECUTE = "NoExecute"
-
-
-class Action(str, enum.Enum):
-    """What the writer does with one device's rule (also the taint_actions_total label)."""
-
-    NOTHING = "nothing"
-    CREATE = "create"
-    UPDATE = "update"
-    REFRESH = "refresh"
-    DELETE = "delete"
-    KEEP = "keep"
-
+from ..reasons import Suppression, TaintMode
+from .contract import Action, Effect, Target, Verdict
+from .record import EVIDENCE_MAX, OwnedRule
 
 EFFECT_RANK = {Effect.NONE.value: 0, Effect.NO_SCHEDULE.value: 1, Effect.NO_EXECUTE.value: 2}
-TIER_EFFECT = {Tier.FATAL: Effect.NO_EXECUTE.value, Tier.DEGRADED: Effect.NO_SCHEDULE.value, Tier.INFORMATIONAL: Effect.NONE.value}
-EVIDENCE_MAX = 1024  # characters of evidence kept in the rule's annotation
+TIER_EFFECT = {Tier.FATAL: Effect.NO_EXECUTE.value, Tier.DEGRADED: Effect.NO_SCHEDULE.value,
+               Tier.INFORMATIONAL: Effect.NONE.value}
 RECORD_REFRESH = 60.0  # seconds between two rewrites of a rule's reason and evidence
 # A decision-only note, never counted or announced: an admin deleted the rule and no new
 # evidence has come since, so not recreating it is what they asked for.
@@ -67,63 +46,14 @@ ADMIN_DELETED = "admin_deleted"
 
 
 @dataclass(frozen=True)
-class Target:
-    """A DRA device published by this node's ResourceSlices, resolved to a local device."""
-
-    driver: str
-    pool: str
-    device: str
-    uuid: str  # the local device (a MIG instance's own uuid for MIG devices)
-    gpu: str = ""  # the physical GPU (fault domain) it lives on; "" = uuid
-
-    @property
-    def domain(self) -> str:
-        return self.gpu or self.uuid
-
-    @property
-    def key(self) -> tuple[str, str, str]:
-        return (self.driver, self.pool, self.device)
-
-
-@dataclass
-class OwnedRule:
-    name: str
-    driver: str
-    pool: str
-    device: str
-    uuid: str
-    effect: str
-    tier: str
-    reason: str = ""
-    evidence: str = ""  # as written in the rule's annotation (at most EVIDENCE_MAX characters)
-    sticky: bool = False  # carries the sticky label: only a person clears it
-    uid: str = ""
-    managed: bool = True
-    calm_since: float | None = None  # since when the device has wanted less than this rule
-    gone_since: float | None = None  # since when this node no longer publishes the device
-    created_at: float | None = None
-    virtual: bool = False  # dry-run: what would exist; never written, never exported as a rule
-    refreshed_at: float | None = None  # when this agent last wrote reason and evidence
-    gpu: str = ""  # the fault domain (physical GPU) the rule was written for
-    scope: str = "gpu"  # "gpu": a GPU-wide fault; "instance": one MIG instance's own fault
-    first_seen: float | None = None  # first evidence, as annotated
-    reset_required: bool | None = None  # a fatal fault: only an observed GPU reset clears it; None: not annotated
-    boot_id: str = ""  # the node boot the rule's fault was recorded under (annotation); "" when not annotated
-
-    @property
-    def key(self) -> tuple[str, str, str]:
-        return (self.driver, self.pool, self.device)
-
-
-@dataclass(frozen=True)
 class Safety:
+    """What limits a decision besides the device: the node's kill switch, whether the server
+    serves effect None, and the rails' verdict for the device's fault domain (ALLOWED unless it
+    wants NoExecute and may not have it yet)."""
+
     kill_switch: bool = False
-    rate_ok: bool = True  # another NoExecute rule fits in this node's rate window
-    budget_ok: bool = True  # the cluster-wide NoExecute budget has room
-    node_fault: bool = False  # most of this node's GPUs failed together
     supports_none: bool = True
-    settling: bool = False  # a new fatal fault inside its settle window: NoSchedule until it ends
-    budget_unavailable: bool = False  # the cluster budget object cannot be read: NoSchedule (fail safe)
+    verdict: Verdict = Verdict.ALLOWED
 
 
 @dataclass(frozen=True)
@@ -151,21 +81,17 @@ def wanted(health: DeviceHealth, mode: TaintMode, supports_none: bool) -> tuple[
 
 
 def _limit(effect: str, safety: Safety) -> tuple[str | None, str]:
-    if effect != Effect.NO_EXECUTE.value:
+    """A raise to NoExecute under the rails' verdict: the effect written instead, and why."""
+    v = safety.verdict
+    if effect != Effect.NO_EXECUTE.value or v is Verdict.ALLOWED:
         return effect, ""
-    if safety.settling:
+    if v is Verdict.SETTLING:
         # Fence now (nothing new lands), evict once the picture is clear: not a suppression,
         # the raise is only pending.
         return Effect.NO_SCHEDULE.value, ""
-    if safety.node_fault:
-        return Effect.NO_SCHEDULE.value, Suppression.NODE_FAULT
-    if not safety.rate_ok:
-        return Effect.NO_SCHEDULE.value, Suppression.RATE_LIMIT
-    if safety.budget_unavailable:
-        return Effect.NO_SCHEDULE.value, Suppression.BUDGET_UNAVAILABLE
-    if not safety.budget_ok:
-        return (Effect.NONE.value if safety.supports_none else Effect.NO_SCHEDULE.value), Suppression.BUDGET
-    return effect, ""
+    if v is Verdict.BUDGET_FULL and safety.supports_none:
+        return Effect.NONE.value, Suppression.BUDGET
+    return Effect.NO_SCHEDULE.value, Suppression(v.value)  # (a verdict that holds back is named as its suppression)
 
 
 def _stale(rule: OwnedRule, reason: str, evidence: str, sticky: bool, now: float) -> bool:
@@ -192,7 +118,8 @@ def decide(
     # A rule keeps naming the condition it was written for while that condition holds: one more
     # condition of the same tier is no news for the rule (gpu_health_condition shows it), and
     # following the sort order instead would rewrite the rule with every condition that comes.
-    worst = next((c for c in candidates if rule is not None and c.reason == rule.reason), None) or next(iter(candidates), None)
+    kept = next((c for c in candidates if rule is not None and c.reason == rule.reason), None)
+    worst = kept or next(iter(candidates), None)
     reason = worst.reason if worst else ""
     evidence = worst.evidence if worst else ""
     # Sticky until a person clears it: the health engine's verdict, or the label on the rule
@@ -216,7 +143,8 @@ def decide(
         limited, suppressed = effect, ""
     else:
         limited, suppressed = _limit(effect, safety)
-        if rule is not None and limited is not None and EFFECT_RANK[limited] < EFFECT_RANK.get(rule.effect, 0) <= EFFECT_RANK[effect]:
+        has = EFFECT_RANK.get(rule.effect, 0) if rule is not None else -1
+        if rule is not None and limited is not None and EFFECT_RANK[limited] < has <= EFFECT_RANK[effect]:
             # A limit caps a raise; it must not lower what the rule already has (a fatal
             # device keeps its NoSchedule while the NoExecute budget is used up).
             limited = rule.effect
@@ -228,20 +156,24 @@ def decide(
             return Decision(Action.NOTHING, suppressed=ADMIN_DELETED)
         if safety.kill_switch:
             return Decision(Action.NOTHING, suppressed=Suppression.KILL_SWITCH)
-        return Decision(Action.CREATE, effect=limited, tier=tier.value if tier else "", reason=reason, evidence=evidence, sticky=sticky, suppressed=suppressed)
+        return Decision(Action.CREATE, effect=limited, tier=tier.value if tier else "", reason=reason,
+                        evidence=evidence, sticky=sticky, suppressed=suppressed)
 
     current = EFFECT_RANK.get(rule.effect, 0)
     target_rank = EFFECT_RANK[limited] if limited is not None else -1
     # ranks are >= 0, so a higher target always has an effect (limited is None ranks -1)
-    if limited is not None and (target_rank > current or (target_rank == current and tier is not None and tier.value != rule.tier)):
+    retier = target_rank == current and tier is not None and tier.value != rule.tier
+    if limited is not None and (target_rank > current or retier):
         if safety.kill_switch:
             return Decision(Action.KEEP, suppressed=Suppression.KILL_SWITCH)
-        return Decision(Action.UPDATE, effect=limited, tier=tier.value if tier else rule.tier, reason=reason, evidence=evidence, sticky=sticky, suppressed=suppressed)
+        return Decision(Action.UPDATE, effect=limited, tier=tier.value if tier else rule.tier, reason=reason,
+                        evidence=evidence, sticky=sticky, suppressed=suppressed)
     if target_rank == current:
         if _stale(rule, reason, evidence, sticky, now):
             if safety.kill_switch:
                 return Decision(Action.KEEP, suppressed=Suppression.KILL_SWITCH)
-            return Decision(Action.REFRESH, effect=rule.effect, tier=rule.tier, reason=reason, evidence=evidence, sticky=sticky, suppressed=suppressed)
+            return Decision(Action.REFRESH, effect=rule.effect, tier=rule.tier, reason=reason, evidence=evidence,
+                            sticky=sticky, suppressed=suppressed)
         return Decision(Action.KEEP, suppressed=suppressed)
 
     if sticky:
@@ -251,7 +183,8 @@ def decide(
             return Decision(Action.KEEP, suppressed=suppressed)
         if safety.kill_switch:
             return Decision(Action.KEEP, suppressed=Suppression.KILL_SWITCH)
-        return Decision(Action.REFRESH, effect=rule.effect, tier=rule.tier, reason=reason or rule.reason, evidence=evidence if reason else rule.evidence, sticky=True, suppressed=suppressed)
+        return Decision(Action.REFRESH, effect=rule.effect, tier=rule.tier, reason=reason or rule.reason,
+                        evidence=evidence if reason else rule.evidence, sticky=True, suppressed=suppressed)
     # The device wants less than the rule says: step down once the hold period has passed.
     calm = rule.calm_since if rule.calm_since is not None else now
     if now - calm < hold:
@@ -267,45 +200,6 @@ def decide(
         return Decision(Action.DELETE, why="recovered")
     # A device with nothing left to show keeps the record of why it was tainted.
     reason, evidence = (reason, evidence) if reason else (rule.reason, rule.evidence)
-    return Decision(Action.UPDATE, effect=step, tier=tier.value if (tier is not None and step == limited) else rule.tier, reason=reason, evidence=evidence, calm_since=None)
-
-
-# --------------------------------------------------------------------------- fault-domain rails
-# Pure functions over plain data: which fault domains' failures form a node-wide fault, and
-# whether a domain's NoExecute may be written now. The engine counts every rail in domains.
-
-
-def node_wide(fatal_since: Mapping[str, float], gpus: int, fraction: float, window: float) -> set[str]:
-    """The GPUs whose fatal fault is part of a node-wide one.
-
-    A GPU's fault is node-wide when, counting the GPUs whose GPU-wide fatal fault began within
-    ``window`` seconds of its own (itself included), more than ``fraction`` of the node's
-    ``gpus`` physical GPUs failed: "a majority within the window" at the default 0.5. A
-    failure minutes after another is judged on its own, so on a 4-GPU node a second GPU
-    failing a minute after the first is not a node fault.
-    """
-    if gpus < 2:
-        return set()
-    need = max(2, math.floor(fraction * gpus) + 1)  # strictly more than the fraction
-    out = set()
-    times = sorted(fatal_since.values())
-    for gpu, since in fatal_since.items():
-        near = sum(1 for t in times if abs(t - since) <= window)
-        if near >= need:
-            out.add(gpu)
-    return out
-
-
-def settling(fatal_since: float | None, now: float, settle: float, window: float) -> bool:
-    """Whether a domain's new fatal fault is still inside its settle window.
-
-    It waits for the longer of the settle time and the node-fault window, so a raise to
-    NoExecute is never taken before the node-wide test for it is final."""
-    if fatal_since is None:
-        return False
-    return now - fatal_since < max(settle, window)
-
-
-def settle_due(fatal_since: float, settle: float, window: float) -> float:
-    """When a settling domain's raise is due (for the loop's next wake-up)."""
-    return fatal_since + max(settle, window)
+    return Decision(Action.UPDATE, effect=step,
+                    tier=tier.value if (tier is not None and step == limited) else rule.tier, reason=reason,
+                    evidence=evidence, calm_since=None)
