@@ -65,7 +65,8 @@ def build_agent(
 
         api = connect(cfg.kubeconfig)
     if api is None:
-        log.warning("no_kubernetes_api", hint="no kubeconfig and not in a cluster: DRA attribution and remediation are off")
+        log.warning("no_kubernetes_api",
+                    hint="no kubeconfig and not in a cluster: DRA attribution and remediation are off")
     return compose(cfg, backend or make_backend(cfg.backend), kubelet=PodResourcesClient(cfg.kubelet_socket), api=api,
                    clock=clock, health_policy=health_policy, remediation_resync=remediation_resync)
 
@@ -163,8 +164,10 @@ def remediation_policy(cfg: Config, resync: float = 30.0) -> RemediationPolicy:
 
     return RemediationPolicy(
         node=cfg.node_name, mode=cfg.taint_mode, hold=cfg.taint_hold_seconds, settle=cfg.taint_settle_seconds,
-        node_fault_window=cfg.node_fault_window, node_failure_fraction=cfg.node_failure_fraction, rate_limit=cfg.taint_rate_limit,
-        rate_window=cfg.taint_rate_window, interval=cfg.interval, resync=resync, eviction_grace=cfg.eviction_grace_seconds,
+        node_fault_window=cfg.node_fault_window, node_failure_fraction=cfg.node_failure_fraction,
+        rate_limit=cfg.taint_rate_limit,
+        rate_window=cfg.taint_rate_window, interval=cfg.interval, resync=resync,
+        eviction_grace=cfg.eviction_grace_seconds,
     )
 
 

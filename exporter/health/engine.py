@@ -178,10 +178,12 @@ class HealthEngine:
             if ev.kind == EventKind.XID:
                 self.xid_counts[(uuid, ev.code)] += 1
                 reason = f"xid_{ev.code}"
-                tier = self._event_condition(st, uuid, reason, classify_xid(ev.code), now, f"XID {ev.code} {ev.detail}".strip(), scope)
+                tier = self._event_condition(st, uuid, reason, classify_xid(ev.code), now,
+                                             f"XID {ev.code} {ev.detail}".strip(), scope)
             elif ev.kind == EventKind.ECC_DBE:
                 reason = "ecc_double_bit"
-                tier = self._event_condition(st, uuid, reason, Tier.FATAL, now, "double-bit (uncorrectable) ECC error event")
+                tier = self._event_condition(st, uuid, reason, Tier.FATAL, now,
+                                             "double-bit (uncorrectable) ECC error event")
             elif ev.kind == EventKind.GPU_LOST:
                 reason = "gpu_lost_event"
                 tier = self._event_condition(st, uuid, reason, Tier.FATAL, now, ev.detail or "GPU unavailable event")
@@ -209,7 +211,8 @@ class HealthEngine:
             extra = {"instance": ev.uuid} if ev.uuid != uuid else {}
             if scope == Scope.INSTANCE:
                 extra["scope"] = scope.value
-            log.info("device_event", uuid=uuid, kind=ev.kind.value, code=ev.code, reason=reason or None, tier=tier.value if tier else None, **extra)
+            log.info("device_event", uuid=uuid, kind=ev.kind.value, code=ev.code, reason=reason or None,
+                     tier=tier.value if tier else None, **extra)
         if summary:
             log.info("device_events_repeated", **summary)
         self._notify([uuid])
@@ -218,7 +221,8 @@ class HealthEngine:
         """The device's summary line of repeated events, when one is due (and forget them)."""
         if not st.quiet or st.quiet_since is None or now - st.quiet_since < self.repeat_log_interval:
             return None
-        out = {"uuid": uuid, "events": sum(st.quiet.values()), "by_reason": dict(st.quiet), "seconds": round(now - st.quiet_since, 1)}
+        out = {"uuid": uuid, "events": sum(st.quiet.values()), "by_reason": dict(st.quiet),
+               "seconds": round(now - st.quiet_since, 1)}
         st.quiet = Counter()
         st.quiet_since = None
         return out
@@ -294,7 +298,8 @@ class HealthEngine:
             if r.ecc_uncorrectable_total is not None:
                 if st.last_ecc_unc is not None and r.ecc_uncorrectable_total > st.last_ecc_unc:
                     grew = r.ecc_uncorrectable_total - st.last_ecc_unc
-                    self._event_condition(st, uuid, "ecc_uncorrectable_growth", self.policy.ecc_growth_tier, now, f"uncorrectable ECC errors grew by {grew} to {r.ecc_uncorrectable_total}")
+                    self._event_condition(st, uuid, "ecc_uncorrectable_growth", self.policy.ecc_growth_tier, now,
+                                          f"uncorrectable ECC errors grew by {grew} to {r.ecc_uncorrectable_total}")
                 st.last_ecc_unc = r.ecc_uncorrectable_total
         if r.ok and st.ok_since is None:
             st.ok_since = now
@@ -310,9 +315,11 @@ class HealthEngine:
                 # Seen again after a restart: the polled state takes over the restored record,
                 # keeping when it was first seen.
                 del st.events[reason]
-                st.levels[reason] = replace(restored.cond, tier=max(tier, restored.cond.tier, key=lambda t: t.rank), evidence=evidence)
+                st.levels[reason] = replace(restored.cond, tier=max(tier, restored.cond.tier, key=lambda t: t.rank),
+                                            evidence=evidence)
             elif old is None:
-                st.levels[reason] = Condition(uuid=uuid, tier=tier, reason=reason, since=now, last_seen=now, evidence=evidence)
+                st.levels[reason] = Condition(uuid=uuid, tier=tier, reason=reason, since=now, last_seen=now,
+                                              evidence=evidence)
             elif reason in st.level_clean_since:
                 # Back during the hold: a new occurrence, i.e. new evidence.
                 st.levels[reason] = replace(old, tier=tier, last_seen=now, evidence=evidence, count=old.count + 1)
@@ -345,7 +352,8 @@ class HealthEngine:
             ec.reset_seen = True
         st.last_ecc_unc = None  # counters restart after a reset
 
-    def _event_condition(self, st: _DeviceState, uuid: str, reason: str, tier: Tier, now: float, evidence: str, scope: Scope = Scope.GPU) -> Tier | None:
+    def _event_condition(self, st: _DeviceState, uuid: str, reason: str, tier: Tier, now: float, evidence: str,
+                         scope: Scope = Scope.GPU) -> Tier | None:
         """Record one occurrence; return the condition's tier if it is news (a new condition, a
         new tier, the first since a reset), None for a repeat of what was known."""
         hist = st.history.get(reason)
@@ -366,9 +374,11 @@ class HealthEngine:
         # A fatal event means the device needs a reset: it holds until one is observed.
         reset = tier == Tier.FATAL or (old is not None and old.cond.reset_required)
         cond = (
-            replace(old.cond, tier=tier, last_seen=now, evidence=evidence, count=old.cond.count + 1, reset_required=reset)
+            replace(old.cond, tier=tier, last_seen=now, evidence=evidence, count=old.cond.count + 1,
+                    reset_required=reset)
             if old
-            else Condition(uuid=uuid, tier=tier, reason=reason, since=now, last_seen=now, evidence=evidence, scope=scope, reset_required=reset)
+            else Condition(uuid=uuid, tier=tier, reason=reason, since=now, last_seen=now, evidence=evidence,
+                           scope=scope, reset_required=reset)
         )
         st.events[reason] = _EventCond(cond=cond, reset_seen=False)
         # A repeat after a reset is news too: it re-arms a condition that was about to clear.
@@ -382,9 +392,11 @@ class HealthEngine:
             if ec.level:
                 done = st.ok_since is not None and now - max(st.ok_since, ec.cond.last_seen) >= p.clear_hold
             elif t == Tier.FATAL or ec.cond.reset_required:
-                done = ec.reset_seen and st.last_reset is not None and now - st.last_reset >= p.clear_hold and st.last_reset >= ec.cond.last_seen
+                done = (ec.reset_seen and st.last_reset is not None and now - st.last_reset >= p.clear_hold
+                        and st.last_reset >= ec.cond.last_seen)
             elif t == Tier.DEGRADED:
-                done = quiet >= p.event_quiet or (ec.reset_seen and st.last_reset is not None and now - st.last_reset >= p.clear_hold)
+                done = quiet >= p.event_quiet or (
+                    ec.reset_seen and st.last_reset is not None and now - st.last_reset >= p.clear_hold)
             else:
                 done = quiet >= p.info_quiet
             if done:
@@ -411,11 +423,13 @@ class HealthEngine:
         conds = list(st.levels.values()) + [ec.cond for ec in st.events.values()]
         if st.sticky and not any(c.tier != Tier.INFORMATIONAL for c in conds):
             first = min(st.failures) if st.failures else now
-            evidence = f"failed {len(st.failures)} times within {self.policy.sticky_window / 86400:g} days; clear by hand"
+            evidence = (f"failed {len(st.failures)} times within {self.policy.sticky_window / 86400:g} days; clear by "
+                        "hand")
             if st.sticky_note and len(st.failures) < self.policy.sticky_after:
                 evidence = st.sticky_note
             scope = Scope.INSTANCE if uuid in self._parents else Scope.GPU
-            conds.append(Condition(uuid=uuid, tier=Tier.FATAL, reason="repeated_failures", since=first, last_seen=now, evidence=evidence, count=len(st.failures), scope=scope))
+            conds.append(Condition(uuid=uuid, tier=Tier.FATAL, reason="repeated_failures", since=first, last_seen=now,
+                                   evidence=evidence, count=len(st.failures), scope=scope))
         conds.sort(key=lambda c: (-c.tier.rank, c.reason))
         return DeviceHealth(uuid=uuid, conditions=tuple(conds), sticky=st.sticky, advisories=st.stuck.advisories())
 
@@ -454,7 +468,8 @@ class HealthEngine:
             log.warning("device_sticky", uuid=uuid, note=note)
         self._notify([uuid])
 
-    def restore(self, uuid: str, reason: str, tier: Tier, since: float, evidence: str, reset_required: bool, scope: Scope | None = None) -> None:
+    def restore(self, uuid: str, reason: str, tier: Tier, since: float, evidence: str, reset_required: bool,
+                scope: Scope | None = None) -> None:
         """Re-create a condition read back from a DeviceTaintRule after a restart.
 
         ``uuid`` is the device the rule is about. ``scope`` None: an instance's uuid restores an
@@ -467,16 +482,19 @@ class HealthEngine:
         with self._lock:
             now = self.clock.monotonic()
             if scope is None:
-                scope = Scope.INSTANCE if uuid in self._parents and reason.startswith("xid_") and xid_scope(_xid_code(reason)) == Scope.INSTANCE else Scope.GPU
+                on_instance = reason.startswith("xid_") and xid_scope(_xid_code(reason)) == Scope.INSTANCE
+                scope = Scope.INSTANCE if uuid in self._parents and on_instance else Scope.GPU
             target = uuid if scope == Scope.INSTANCE else self._physical(uuid)
             st = self._state[target]
             old_level = st.levels.get(reason)
             old = st.events.get(reason)
             if old_level is not None:
                 # The state is already observed again: it keeps the restored start and tier.
-                st.levels[reason] = replace(old_level, since=min(since, old_level.since), tier=max(tier, old_level.tier, key=lambda t: t.rank))
+                st.levels[reason] = replace(old_level, since=min(since, old_level.since),
+                                            tier=max(tier, old_level.tier, key=lambda t: t.rank))
             else:
-                cond = Condition(uuid=target, tier=tier, reason=reason, since=since, last_seen=now, evidence=evidence, scope=scope, reset_required=reset_required)
+                cond = Condition(uuid=target, tier=tier, reason=reason, since=since, last_seen=now, evidence=evidence,
+                                 scope=scope, reset_required=reset_required)
                 if old is not None:
                     cond = replace(
                         old.cond,
@@ -484,9 +502,11 @@ class HealthEngine:
                         since=min(since, old.cond.since),
                         reset_required=reset_required or old.cond.reset_required,
                     )
-                st.events[reason] = _EventCond(cond=cond, reset_seen=False, level=not reset_required and _is_level(reason))
+                st.events[reason] = _EventCond(cond=cond, reset_seen=False,
+                                               level=not reset_required and _is_level(reason))
             self._update_transitions(target, st, now)
-        log.info("condition_restored", uuid=target, reason=reason, tier=tier.value, scope=scope.value, reset_required=reset_required)
+        log.info("condition_restored", uuid=target, reason=reason, tier=tier.value, scope=scope.value,
+                 reset_required=reset_required)
         self._notify([target])
 
     def reset_proven(self, uuid: str, why: str) -> None:
@@ -518,7 +538,8 @@ class HealthEngine:
 
 
 # Conditions that come from polled state (see _observe_reading), as opposed to events.
-LEVEL_REASONS = frozenset({"gpu_lost", "driver_hung", "driver_error", "row_remap_failure", "row_remap_pending", "retired_pages_pending"})
+LEVEL_REASONS = frozenset({"gpu_lost", "driver_hung", "driver_error", "row_remap_failure", "row_remap_pending",
+                           "retired_pages_pending"})
 
 
 def _is_level(reason: str) -> bool:

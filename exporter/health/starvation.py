@@ -94,7 +94,9 @@ class StarvationMonitor:
         self.throttle_ratio = throttle_ratio
         self.throttle_every = throttle_every
         self.clock = clock
-        self._cpu_stat = cpu_stat if cpu_stat is not None else next((p for p in CGROUP_CPU_STAT if read_throttled_seconds(p) is not None), "")
+        if cpu_stat is None:
+            cpu_stat = next((p for p in CGROUP_CPU_STAT if read_throttled_seconds(p) is not None), "")
+        self._cpu_stat = cpu_stat
         self._stat_fd: int | None = None  # the cgroup file, kept open (see _read_cpu_stat)
         self._lock = threading.Lock()
         self._lags: deque[tuple[float, float]] = deque(maxlen=4096)  # (when, lag) at or above a tenth of the threshold
@@ -134,7 +136,8 @@ class StarvationMonitor:
                 return
             share = (cur[1] - prev[2]) / (now - prev[0])
             if cur[0] > prev[1] and share >= self.throttle_ratio:
-                self._signal(now, f"CPU throttled by the cgroup quota {share:.0%} of the last {now - prev[0]:.1f}s ({cur[0] - prev[1]} periods)")
+                self._signal(now, f"CPU throttled by the cgroup quota {share:.0%} of the last {now - prev[0]:.1f}s "
+                                  f"({cur[0] - prev[1]} periods)")
 
     def _read_cpu_stat(self) -> tuple[int, float] | None:
         # Read once a second for the agent's whole life: a pread of the open file costs a
@@ -172,7 +175,8 @@ class StarvationMonitor:
             changed, self._was_starved = starved != self._was_starved, starved
         if changed:
             # Logged on change only: a starved agent must not spend its little CPU on logs.
-            (log.warning if starved else log.info)("agent_starved" if starved else "agent_no_longer_starved", reason=reason or None, lag_seconds=round(lag, 3))
+            (log.warning if starved else log.info)("agent_starved" if starved else "agent_no_longer_starved",
+                                                   reason=reason or None, lag_seconds=round(lag, 3))
         return StarvationState(starved=starved, lag_seconds=lag, reason=reason)
 
     # -- the probe thread ----------------------------------------------------------------------

@@ -43,14 +43,17 @@ class StuckReadings:
         elif self.energy_mark is None or self.energy_mark[0] != e:
             self.energy_mark = (e, now)
         elif now - self.energy_mark[1] >= after:
-            found["energy"] = f"energy counter stuck at {e:g} J for {now - self.energy_mark[1]:.0f}s while drawing {w:g} W"
+            found["energy"] = (f"energy counter stuck at {e:g} J for {now - self.energy_mark[1]:.0f}s while drawing "
+                               f"{w:g} W")
         util = r.utilization_ratio
-        ratios = [x for x in (r.sm_active_ratio, r.sm_occupancy_ratio, r.tensor_active_ratio, r.dram_active_ratio) if x is not None]
+        ratios = [x for x in (r.sm_active_ratio, r.sm_occupancy_ratio, r.tensor_active_ratio,
+                              r.dram_active_ratio) if x is not None]
         if util is not None and util >= busy and ratios and not any(ratios):
             if self.profile_zero_since is None:
                 self.profile_zero_since = now
             elif now - self.profile_zero_since >= after:
-                found["profiling"] = f"profiling ratios at exactly 0 for {now - self.profile_zero_since:.0f}s while utilization is {util:.0%}"
+                found["profiling"] = (f"profiling ratios at exactly 0 for {now - self.profile_zero_since:.0f}s while "
+                                      f"utilization is {util:.0%}")
         else:
             self.profile_zero_since = None
         self._set(uuid, found, now)
@@ -68,7 +71,8 @@ class StuckReadings:
             old = self.found.get(reading)
             if old is None:
                 log.warning("reading_stuck", uuid=uuid, reading=reading, evidence=evidence)
-                self.found[reading] = Condition(uuid=uuid, tier=Tier.DEGRADED, reason=READING_STUCK, since=now, last_seen=now, evidence=evidence)
+                self.found[reading] = Condition(uuid=uuid, tier=Tier.DEGRADED, reason=READING_STUCK, since=now,
+                                                last_seen=now, evidence=evidence)
             else:
                 self.found[reading] = replace(old, last_seen=now, evidence=evidence)
 
@@ -81,4 +85,5 @@ class StuckReadings:
         if len(conds) == 1:
             return (conds[0],)
         first = min(conds, key=lambda c: c.since)
-        return (replace(first, last_seen=max(c.last_seen for c in conds), evidence="; ".join(c.evidence for c in conds)),)
+        return (replace(first, last_seen=max(c.last_seen for c in conds),
+                        evidence="; ".join(c.evidence for c in conds)),)

@@ -106,7 +106,8 @@ class BudgetWatch(Reflector[dict[str, Any]]):
     kind = "budget"
 
     def __init__(self, client: ApiClient, namespace: str, name: str, **kw: Any) -> None:
-        super().__init__(client, group="", resource="configmaps", label=name, field_selector=f"metadata.name={name}", **kw)
+        super().__init__(client, group="", resource="configmaps", label=name, field_selector=f"metadata.name={name}",
+                         **kw)
         self.namespace, self.name = namespace, name
 
     def _path(self, version: str) -> str:
@@ -225,7 +226,9 @@ class ClusterBudget:
             with self._lock:
                 self._waiting.add(key)
             # (no answer yet: like a request that got none, retryable)
-            raise ApiUnavailable(status=0, reason="Unavailable", message=f"budget {self.namespace}/{self.name} not read yet: {watch.last_error or 'list pending'}")
+            raise ApiUnavailable(status=0, reason="Unavailable",
+                                 message=f"budget {self.namespace}/{self.name} not read yet: "
+                                         f"{watch.last_error or 'list pending'}")
         obj = watch.current()
         tried = ""
         for attempt in range(self.attempts):
@@ -239,7 +242,8 @@ class ClusterBudget:
             if obj is None:
                 with self._lock:
                     self._waiting.add(key)
-                raise ApiError(status=404, reason="NotFound", message=f"configmap {self.namespace}/{self.name} not found (the installer creates it)")
+                raise ApiError(status=404, reason="NotFound",
+                               message=f"configmap {self.namespace}/{self.name} not found (the installer creates it)")
             data = dict(obj.get("data") or {})
             self.capacity = capacity_of(data, self.default_capacity)
             if key in data:
@@ -260,7 +264,8 @@ class ClusterBudget:
                 continue
             log.info("budget_taken", holder=key, capacity=self.capacity)
             return self._done(key, True)
-        raise ApiError(status=409, reason="Conflict", message=f"budget {self.namespace}/{self.name}: still conflicting after {self.attempts} attempts")
+        raise ApiError(status=409, reason="Conflict",
+                       message=f"budget {self.namespace}/{self.name}: still conflicting after {self.attempts} attempts")
 
     def _put(self, obj: dict[str, Any], data: dict[str, Any]) -> bool:
         """Write ``obj`` with ``data``, conditional on the resourceVersion it was read at. False
@@ -301,7 +306,9 @@ class ClusterBudget:
             log.info("budget_released", holder=key)
             break
         else:
-            raise ApiError(status=409, reason="Conflict", message=f"budget {self.namespace}/{self.name}: still conflicting after {self.attempts} attempts")
+            raise ApiError(status=409, reason="Conflict",
+                           message=f"budget {self.namespace}/{self.name}: still conflicting after {self.attempts} "
+                                   "attempts")
         self._close_watch_if_idle()
 
     def held(self, prefix: str | None = None) -> set[str]:

@@ -54,7 +54,8 @@ class WatchedRules:
         with self._lock:
             watch = self._watch
             if watch is None:
-                watch = self._watch = OwnedRuleWatch(self._client, self._node, self._rules.served().version, on_change=self._on_change)
+                watch = self._watch = OwnedRuleWatch(self._client, self._node, self._rules.served().version,
+                                                     on_change=self._on_change)
                 watch.start()
         if not watch.synced:
             return None

@@ -1,7 +1,8 @@
 """Names this agent writes into the cluster. Changing any of them orphans existing rules.
 
 They live in the k8s layer because the API clients (rules, Events, the node-state ConfigMap)
-write them; the remediator uses them from here. The ValidatingAdmissionPolicy in the chart checks the same domain, prefix and labels.
+write them; the remediator uses them from here. The ValidatingAdmissionPolicy in the chart checks
+the same domain, prefix and labels.
 """
 
 from __future__ import annotations

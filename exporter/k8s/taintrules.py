@@ -183,7 +183,8 @@ class TaintRuleClient:
         return f"{RESOURCE_GROUP}/{self.served().version}"
 
     def body(
-        self, name: str, driver: str, pool: str, device: str, key: str, value: str, effect: str, labels: Mapping[str, str], annotations: Mapping[str, str]
+        self, name: str, driver: str, pool: str, device: str, key: str, value: str, effect: str,
+        labels: Mapping[str, str], annotations: Mapping[str, str]
     ) -> dict[str, Any]:
         if not (driver and pool and device):
             # An empty selector matches every device in the cluster (kubernetes#141422).
@@ -234,7 +235,8 @@ class TaintRuleClient:
     def create_rule(self, rule: TaintRule) -> TaintRule:
         """Create ``rule`` (name, selector, taint, labels and every annotation it records)."""
         seen = micro_time(rule.first_seen or 0.0)
-        annotations = {names.UUID_ANNOTATION: rule.uuid, names.GPU_ANNOTATION: rule.gpu, names.SCOPE_ANNOTATION: rule.scope,
+        annotations = {names.UUID_ANNOTATION: rule.uuid, names.GPU_ANNOTATION: rule.gpu,
+                       names.SCOPE_ANNOTATION: rule.scope,
                        names.FIRST_SEEN_ANNOTATION: seen, **rule.fault_annotations()}
         taint = rule.taint()
         body = self.body(rule.name, rule.driver, rule.pool, rule.device, taint["key"], taint["value"], rule.effect,
@@ -246,7 +248,8 @@ class TaintRuleClient:
         return created
 
     def patch(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
-        return request_json(self.client, "PATCH", f"{self._base()}/{name}", body=patch, content_type=MERGE_PATCH, timeout=API_TIMEOUT)
+        return request_json(self.client, "PATCH", f"{self._base()}/{name}", body=patch, content_type=MERGE_PATCH,
+                            timeout=API_TIMEOUT)
 
     def patch_rule(self, rule: TaintRule, mark_sticky: bool) -> None:
         """One merge patch: the taint, the labels and what the rule records about the fault (the
