@@ -223,6 +223,28 @@ def process_age() -> float:
     return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
+def churn_alone(agent, seconds: float, scrape_every: float) -> dict:
+    """The agent at its own interval while the parent churns its node (bench/run.py churn):
+    its RSS each second (the peak is the figure), and descriptors and threads at the start and
+    the end (flat: none leaked per job), scraped every ``scrape_every`` s."""
+    import urllib.request
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    start = {"rss_mb": rss_mb(), "fds": fds(), "threads": threading.active_count()}
+    rss, t0, next_scrape = [], time.monotonic(), 0.0
+    while (now := time.monotonic() - t0) < seconds:
+        if now >= next_scrape:
+            with urllib.request.urlopen(agent.server.url + "/metrics", timeout=30) as r:
+                r.read()
+            next_scrape += scrape_every
+        rss.append(rss_mb())
+        time.sleep(1.0)
+    return {"start": start, "end": {"rss_mb": rss_mb(), "fds": fds(), "threads": threading.active_count()},
+            "rss_max_mb": max(rss), "peak_rss_mb": rss_mb("VmHWM"), "cycles": agent.cycles}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scenario", required=True)
@@ -230,7 +252,9 @@ def main() -> None:
     ap.add_argument("--kubeconfig", required=True)
     ap.add_argument("--cycles", type=int, default=10000)
     ap.add_argument("--cpu-seconds", type=float, default=30.0)
-    ap.add_argument("--mode", choices=("soak", "cycle"), default="soak")
+    ap.add_argument("--mode", choices=("soak", "cycle", "churn"), default="soak")
+    ap.add_argument("--interval", type=float, default=0.5, help="churn mode: the agent's own interval")
+    ap.add_argument("--seconds", type=float, default=120.0, help="churn mode: how long to run at that interval")
     ap.add_argument("--cpu-seconds-5s", type=float, default=0.0, help="cycle mode: also CPU at a 5 s cadence (the default interval), over this window")
     ap.add_argument("--scrape-every", type=float, default=15.0, help="seconds between the Prometheus-like scraper's scrapes in the CPU windows")
     ap.add_argument("--profile", type=Path, help="cycle mode: profile the measured cycles (all threads, yappi) into this file")
@@ -264,8 +288,8 @@ def main() -> None:
         backend="sim",
         # cycle mode drives the 1 s cadence itself, so that no sampler cycle lands inside a
         # measured one; soak mode keeps the agent's own 1 s loop running alongside.
-        interval=3600.0 if a.mode == "cycle" else 1.0,
-        taint_mode=TaintMode.ENFORCE,
+        interval={"cycle": 3600.0, "churn": a.interval}.get(a.mode, 1.0),
+        taint_mode=TaintMode.OFF if a.mode == "churn" else TaintMode.ENFORCE,
     )
     agent = build_agent(cfg, backend=SimBackend(sc, clock), clock=clock)
     imported_mb = rss_mb()
@@ -282,6 +306,9 @@ def main() -> None:
     settle_heap()  # as exporter.cli.run_agent does after start-up
     ready = agent.readiness()
     try:
+        if a.mode == "churn":
+            print(json.dumps(churn_alone(agent, a.seconds, a.scrape_every)))
+            return
         if a.mode == "cycle":
             if a.profile:
                 import yappi

@@ -593,6 +593,47 @@ def bench_churn(steps: int = 400, rate: float = 80.0, hold: float = 2.0, interva
           f"(claims {out['claim_requests_per_new_claim']:.2f}); jobs never billed {out['jobs_never_billed']} of {out['jobs_held_two_intervals']}")
 
 
+def bench_churn_alone(seconds: float = 120.0, rate: float = 80.0, hold: float = 2.0, interval: float = 0.5) -> None:
+    """The churn of ``bench_churn`` in real time with the agent alone in its own process
+    (bench/agent_process.py --mode churn, its own interval, a scrape every 2 s): its RSS, its
+    descriptors and threads, and the API requests per new claim, while this process hosts the
+    kubelet and API emulations and starts ``rate`` jobs a second, each held ``hold`` seconds."""
+    import subprocess
+
+    from drasim.churn import Churn
+    from drasim.node import SimulatedNode
+
+    sc = eight_gpus()
+    node = SimulatedNode(parse_scenario(sc), SimClock(1.0), request_log_size=10_000_000, kubelet_qps=None)
+    node.start()
+    try:
+        (node.workdir / "scenario.json").write_text(json.dumps(sc))
+        cmd = [sys.executable, str(ROOT / "bench" / "agent_process.py"), "--mode", "churn", "--scenario",
+               str(node.workdir / "scenario.json"), "--socket", node.socket, "--kubeconfig", str(node.kubeconfig),
+               "--interval", str(interval), "--seconds", str(seconds), "--scrape-every", "2"]
+        agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        churn = Churn(node, per_step=max(1, round(rate * interval)), hold_steps=max(2, round(hold / interval)))
+        node.api.clear_requests()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < seconds - 2 * interval and agent.poll() is None:
+            churn.step()
+            time.sleep(max(0.0, t0 + churn.steps * interval - time.monotonic()))
+        out_text, _ = agent.communicate(timeout=seconds + 120)
+        if agent.returncode != 0:
+            raise SystemExit(f"agent process failed ({agent.returncode})")
+        out = json.loads(out_text.strip().splitlines()[-1])
+        reqs = [r for r in node.api.requests if not r.watch]
+        out.update(new_claims=len(churn.jobs), requests_per_new_claim=len(reqs) / max(1, len(churn.jobs)))
+    finally:
+        node.stop()
+    RESULTS["churn_alone"] = out
+    print(f"\nchurn, the agent alone ({seconds:g} s, {rate:g} claims/s held {hold:g} s, interval {interval:g} s): "
+          f"RSS {out['start']['rss_mb']:.1f} MB at start, max {out['rss_max_mb']:.1f} MB (peak {out['peak_rss_mb']:.1f}), "
+          f"{out['end']['rss_mb']:.1f} MB at the end; descriptors {out['start']['fds']} -> {out['end']['fds']}, "
+          f"threads {out['start']['threads']} -> {out['end']['threads']}; {out['cycles']} cycles; "
+          f"{out['new_claims']} new claims, {out['requests_per_new_claim']:.2f} API requests each")
+
+
 def _rss_mb(field: str = "VmRSS") -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -602,7 +643,8 @@ def _rss_mb(field: str = "VmRSS") -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="Benchmarks for docs/performance.md.")
-    ap.add_argument("which", nargs="*", metavar="BENCH", help="scrape, scrape-attack, cycle, gzip, nvml, xid, soak, series, churn (default: all but scrape-attack)")
+    ap.add_argument("which", nargs="*", metavar="BENCH", help="scrape, scrape-attack, cycle, gzip, nvml, xid, soak, series, churn, churn-alone "
+                    "(default: all but scrape-attack and churn-alone)")
     ap.add_argument("--cycles", type=int, default=10000, help="soak: cycles between the two RSS readings")
     ap.add_argument("--requests", type=int, default=2000, help="scrape: requests per concurrency level")
     ap.add_argument("--cpu-seconds", type=float, default=30.0, help="soak: window for the CPU reading")
@@ -623,11 +665,13 @@ def main() -> None:
         "soak": lambda: bench_soak(a.cycles, a.cpu_seconds, dense=not a.quick),
         "series": bench_series,
         "churn": lambda: bench_churn(*((12, 10.0) if a.quick else ())),
+        "churn-alone": lambda: bench_churn_alone(*((10.0,) if a.quick else ())),
     }
     unknown = [w for w in a.which if w not in fns]
     if unknown:
         ap.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(fns)}")
-    for w in a.which or [f for f in fns if f != "scrape-attack"]:  # the attack runs when named (minutes)
+    # the attack (minutes) and the agent alone under churn (real time) run when named
+    for w in a.which or [f for f in fns if f not in ("scrape-attack", "churn-alone")]:
         fns[w]()
     RESULTS["machine"] = {"load_after": os.getloadavg(), "cpus": os.cpu_count(), "python": sys.version.split()[0], "when": time.strftime("%Y-%m-%d"), "quick": a.quick}
     a.out.parent.mkdir(parents=True, exist_ok=True)

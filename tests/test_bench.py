@@ -56,6 +56,19 @@ def test_quick_benchmark_run_reports_every_measurement(tmp_path: Path) -> None:
     assert "scrape:" in done.stdout and "soak, agent alone" in done.stdout and "cycle, agent alone" in done.stdout
 
 
+@pytest.mark.slow
+def test_churn_with_the_agent_alone_reports_its_rss_descriptors_and_requests(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "churn-alone", "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(out.read_text())["churn_alone"]
+    assert r["new_claims"] > 0 and r["cycles"] > 0 and r["rss_max_mb"] >= r["start"]["rss_mb"] > 0
+    # whole-GPU claims on a node whose slices are published: no claim is read
+    assert r["requests_per_new_claim"] <= 0.1
+    assert r["end"]["threads"] <= r["start"]["threads"] + 2  # flat: none per job (a pool may start one)
+
+
 def test_unknown_benchmark_name_is_a_usage_error() -> None:
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "scrap"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "unknown benchmark(s) scrap" in done.stderr
