@@ -17,7 +17,7 @@ class Tier(str, enum.Enum):
 
 
 class Scope(str, enum.Enum):
-    """The unit a fault takes down (see README "Fault scope")."""
+    """The unit a fault takes down (see docs/health-and-remediation.md, "Fault scope")."""
 
     GPU = "gpu"  # the physical GPU: every MIG instance / partition on it is affected
     INSTANCE = "instance"  # one MIG instance only: its siblings and the parent stay healthy
