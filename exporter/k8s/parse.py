@@ -25,7 +25,7 @@ nothing else, so the watcher can log the object, count it and carry on.
 from __future__ import annotations
 
 import datetime as dt
-import re
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -253,18 +253,17 @@ def _quantity(value: Any, where: str) -> str:
     raise ParseError(f"{where}.value: expected a quantity string, got {type(q).__name__}")
 
 
-_QUANTITY = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:([eE][+-]?\d+)|(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?)$")
-_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60, "n": 1e-9, "u": 1e-6,
-           "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
-
-
 def quantity_value(text: str) -> float | None:
     """A resource.Quantity string ("20Gi", "1500m", "1e3") as a number; None when it is not one."""
-    m = _QUANTITY.match(text.strip())
-    if m is None:
+    # The kubernetes client's parser, imported here: a claim with a consumed capacity is only
+    # parsed on an agent that talks to the API server, so the client is loaded already.
+    from kubernetes.utils.quantity import parse_quantity
+
+    try:
+        value = float(parse_quantity(text.strip()))  # type: ignore[no-untyped-call]
+    except ValueError:
         return None
-    number, exponent, suffix = m.groups()
-    return float(number + (exponent or "")) * _SUFFIX.get(suffix or "", 1)
+    return value if math.isfinite(value) else None  # it takes "Infinity" and "NaN", which no Quantity is
 
 
 # --------------------------------------------------------------------------- ResourceSlice
