@@ -23,7 +23,7 @@ import structlog
 from ..collect import Collector, Degraded, Gathered, Slot, SourceStats
 from .collectors import CLAIMS, watch_stats
 from .connection import ApiClient
-from .model import ClaimInfo, PodInfo
+from .model import ClaimInfo, DeviceKey, PodInfo
 from .parse import ParseError, parse_pod
 from .watch import Reflector, _name_of
 
@@ -31,7 +31,6 @@ log = structlog.get_logger(__name__)
 
 __all__ = ["REPORTED", "PodWatcher", "ReportedHealthCollector", "reported_health"]
 
-DeviceKey = tuple[str, str, str]  # (driver, pool, device)
 HEALTH_RANK = {"Healthy": 0, "Unknown": 1, "Unhealthy": 2}
 
 #: the kubelet's health per DRA device of this node; absent unless --kubelet-device-health
