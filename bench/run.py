@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from agent_process import published, rendered, serve_static  # noqa: E402
+from agent_process import published, rendered, rss_mb, serve_static  # noqa: E402
 from scrape_attack import LOAD_START_METHOD  # noqa: E402
 
 from drasim.backend import SimClock  # noqa: E402
@@ -545,7 +545,7 @@ def bench_churn(steps: int = 400, rate: float = 80.0, hold: float = 2.0, interva
         acc = agent.out.usage
         churn = Churn(node, per_step=max(1, round(rate * interval)), hold_steps=max(2, round(hold / interval)))
         node.api.clear_requests()
-        rows, billed, rss0 = [], set(), _rss_mb()
+        rows, billed, rss0 = [], set(), rss_mb()
         every = max(1, round(scrape_every / interval))
         for step in range(steps):
             churn.step()
@@ -575,7 +575,7 @@ def bench_churn(steps: int = 400, rate: float = 80.0, hold: float = 2.0, interva
             "cpu_per_cycle_after_ms": 1e3 * sum(after) / max(1, len(after)),
             "series_max": max((r[2] for r in rows if r[2] is not None), default=0),
             "retained_series_max": max(r[3] for r in rows),
-            "rss_start_mb": rss0, "rss_end_mb": _rss_mb(), "rss_peak_mb": _rss_mb("VmHWM"),
+            "rss_start_mb": rss0, "rss_end_mb": rss_mb(), "rss_peak_mb": rss_mb("VmHWM"),
             "cycles_on_time": sum(1 for r in rows if r[1] < interval) / len(rows),
             "requests_per_new_claim": len(reqs) / max(1, claims_n),
             "claim_requests_per_new_claim": sum(1 for r in reqs if "/resourceclaims" in r.path) / max(1, claims_n),
@@ -632,13 +632,6 @@ def bench_churn_alone(seconds: float = 120.0, rate: float = 80.0, hold: float = 
           f"{out['end']['rss_mb']:.1f} MB at the end; descriptors {out['start']['fds']} -> {out['end']['fds']}, "
           f"threads {out['start']['threads']} -> {out['end']['threads']}; {out['cycles']} cycles; "
           f"{out['new_claims']} new claims, {out['requests_per_new_claim']:.2f} API requests each")
-
-
-def _rss_mb(field: str = "VmRSS") -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def main() -> None:
